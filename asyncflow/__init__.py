@@ -1,0 +1,1 @@
+"""The ``asyncflow`` command: starts the processes and talks to the API."""

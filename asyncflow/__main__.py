@@ -1,0 +1,3 @@
+from asyncflow.cli import main
+
+main()

@@ -1,0 +1,114 @@
+"""The long-running processes: API, workers, scheduler, and `up` which runs them all."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from shared.config import Settings
+from shared.logs import setup_logging
+from shared.messaging import queue_name
+from shared.migrate import upgrade
+from shared.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def run_api(settings: Settings, host: str, port: int) -> None:
+    import uvicorn
+
+    from oss_api.app import create_app
+
+    setup_logging(settings.log_level, "api")
+    if settings.migrate_on_start:
+        upgrade(settings.resolved_database_url())
+    runtime = Runtime(settings)
+    runtime.flows  # noqa: B018 - fail at start-up on a bad flows.yaml, not on first request
+    uvicorn.run(create_app(runtime), host=host, port=port, log_config=None, access_log=False)
+
+
+def run_worker(settings: Settings, modules: list[str], concurrency: int) -> None:
+    setup_logging(settings.log_level, "worker")
+    runtime = Runtime(settings)
+    consumer = runtime.consumer(modules)
+    for module in consumer.modules.values():
+        module.start(settings)  # fail now, not on the first message
+    queues = ",".join(queue_name(m) for m in modules)
+    log.info("consuming %s with %d processes", queues, concurrency)
+    runtime.celery.worker_main(
+        [
+            "worker",
+            "--queues", queues,
+            "--concurrency", str(concurrency),
+            "--pool", "prefork",
+            "--hostname", f"{'+'.join(modules)}@%h.{os.getpid()}",
+            "--without-gossip",
+            "--without-mingle",
+            "--loglevel", settings.log_level,
+        ]
+    )
+
+
+def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> None:
+    """Publishes waiting messages when due (retry backoff, poll later)."""
+    setup_logging(settings.log_level, "scheduler")
+    stop = stop or _stop_on_signals()
+    service = Runtime(settings).service
+    log.info("scheduler started, tick %.3fs", settings.scheduler_tick)
+    while not stop.is_set():
+        try:
+            released = service.dispatch_due()
+        except Exception:
+            # A database blip must not kill the loop; anything persistent shows in the log.
+            log.exception("dispatching due messages failed")
+            released = 0
+        if not released:
+            stop.wait(settings.scheduler_tick)
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def run_all(settings: Settings, port: int, modules: list[str]) -> int:
+    """`asyncflow up`: API, scheduler and one worker for every module, supervised."""
+    setup_logging(settings.log_level, "up")
+    upgrade(settings.resolved_database_url())
+    env = dict(os.environ, ASYNCFLOW_MIGRATE_ON_START="false", ASYNCFLOW_API_PORT=str(port))
+    cmd = [sys.executable, "-m", "asyncflow"]
+    children = {
+        "api": subprocess.Popen([*cmd, "api", "--port", str(port)], env=env),
+        "scheduler": subprocess.Popen([*cmd, "scheduler"], env=env),
+        "worker": subprocess.Popen([*cmd, "worker", *modules], env=env),
+    }
+    log.info(
+        "asyncflow is up: API on http://%s:%d (docs at /docs), database %s, broker %s",
+        settings.api_host, port, settings.resolved_database_url(), settings.resolved_broker_url(),
+    )
+    stop = _stop_on_signals()
+    code = 0
+    while not stop.is_set():
+        dead = {name: p.returncode for name, p in children.items() if p.poll() is not None}
+        if dead:
+            log.error("stopping everything: %s exited", dead)
+            code = 1
+            break
+        stop.wait(0.5)
+    for proc in children.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + 20
+    for proc in children.values():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return code

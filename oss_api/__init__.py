@@ -1,0 +1,1 @@
+"""The intake HTTP service: native task API, health and metrics."""

@@ -1,0 +1,132 @@
+"""FastAPI application factory: ``create_app(runtime)``. Routes are thin adapters."""
+
+# No `from __future__ import annotations`: FastAPI reads the route annotations,
+# some of which are built inside the factory from the settings.
+
+import json
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from oss_api import errors
+from oss_api.errors import RequestTooLarge
+from oss_api.schemas import SubmitRequest, TaskDocument, TaskList
+from shared.runtime import Runtime
+from shared.saga import Cancel, Resume, Retry
+from shared.service import TaskService
+from shared.states import TaskStatus
+from shared.storage import TaskFilter
+
+log = logging.getLogger(__name__)
+
+
+def create_app(runtime: Runtime) -> FastAPI:
+    settings = runtime.settings
+    app = FastAPI(
+        title="Asyncflow",
+        version="0.1.0",
+        description="Submit multi-step tasks by flow name, watch them, cancel, retry, resume.",
+    )
+    app.state.runtime = runtime
+    errors.install(app)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            return JSONResponse(
+                status_code=413,
+                content={"error": f"request body over {settings.max_body_bytes} bytes"},
+            )
+        return await call_next(request)
+
+    app.include_router(_task_routes(runtime))
+
+    @app.get("/healthz", tags=["operations"])
+    def healthz() -> dict[str, str]:
+        runtime.store.ping()
+        return {"status": "ok"}
+
+    @app.get("/metrics", tags=["operations"], response_class=Response)
+    def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _task_routes(runtime: Runtime) -> APIRouter:
+    settings = runtime.settings
+    router = APIRouter(prefix="/api", tags=["tasks"])
+
+    def service() -> TaskService:
+        return runtime.service
+
+    Service = Annotated[TaskService, Depends(service)]
+
+    @router.post("/tasks", status_code=201, response_model=TaskDocument)
+    def submit(
+        body: SubmitRequest,
+        svc: Service,
+        response: Response,
+        idempotency_key: Annotated[str | None, Header(max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")] = None,
+    ) -> TaskDocument:
+        size = len(json.dumps(body.parameters, separators=(",", ":")).encode())
+        if size > settings.max_parameters_bytes:
+            raise RequestTooLarge(
+                f"parameters are {size} bytes; the limit is {settings.max_parameters_bytes}"
+            )
+        task, created = svc.submit(
+            body.flow,
+            body.parameters,
+            priority=body.priority,
+            user_id=body.user_id,
+            task_id=body.task_id or idempotency_key,
+        )
+        if not created:
+            response.status_code = 200
+        return TaskDocument.of(task)
+
+    @router.get("/tasks/{task_id}", response_model=TaskDocument)
+    def get_task(task_id: str, svc: Service) -> TaskDocument:
+        return TaskDocument.of(svc.get(task_id), svc.attempts(task_id))
+
+    @router.get("/tasks", response_model=TaskList)
+    def list_tasks(
+        svc: Service,
+        flow: str | None = None,
+        status: Annotated[int | None, Query(ge=0, le=6)] = None,
+        user_id: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=settings.list_limit_max)] = 50,
+    ) -> TaskList:
+        where = TaskFilter(
+            flow=flow,
+            status=TaskStatus(status) if status is not None else None,
+            user_id=user_id,
+            limit=limit,
+        )
+        return TaskList(tasks=[TaskDocument.of(t) for t in svc.list(where)])
+
+    @router.post("/tasks/{task_id}/cancel", response_model=TaskDocument)
+    def cancel(task_id: str, svc: Service) -> TaskDocument:
+        return TaskDocument.of(svc.operate(task_id, Cancel()))
+
+    @router.post("/tasks/{task_id}/retry", response_model=TaskDocument)
+    def retry(task_id: str, svc: Service) -> TaskDocument:
+        return TaskDocument.of(svc.operate(task_id, Retry()))
+
+    @router.post("/tasks/{task_id}/resume", response_model=TaskDocument)
+    def resume(task_id: str, svc: Service) -> TaskDocument:
+        return TaskDocument.of(svc.operate(task_id, Resume()))
+
+    @router.get("/flows", tags=["flows"])
+    def list_flows() -> dict[str, Any]:
+        return {
+            "flows": [
+                flow.model_dump(mode="json") for flow in runtime.flows.flows.values()
+            ]
+        }
+
+    return router

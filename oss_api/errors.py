@@ -1,0 +1,59 @@
+"""All HTTP error mapping in one place: exceptions carry or imply a status code."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from shared.saga import InvalidAction
+from shared.service import ServiceError
+from shared.storage import StorageUnavailable, TaskConflict
+
+log = logging.getLogger(__name__)
+
+
+class RequestTooLarge(ServiceError):
+    status_code = 413
+
+
+def _body(status: int, error: str, detail: list | None = None) -> JSONResponse:
+    content: dict = {"error": error}
+    if detail is not None:
+        content["detail"] = detail
+    return JSONResponse(status_code=status, content=content)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
+        return _body(exc.status_code, str(exc))
+
+    @app.exception_handler(InvalidAction)
+    async def invalid_action(_: Request, exc: InvalidAction) -> JSONResponse:
+        return _body(409, str(exc))
+
+    @app.exception_handler(TaskConflict)
+    async def conflict(_: Request, exc: TaskConflict) -> JSONResponse:
+        return _body(409, str(exc))
+
+    @app.exception_handler(StorageUnavailable)
+    async def unavailable(_: Request, exc: StorageUnavailable) -> JSONResponse:
+        log.error("storage unavailable: %s", exc)
+        return _body(503, "the task database is unavailable; try again shortly")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            ctx = errors[0].get("ctx", {})
+            return _body(400, f"malformed JSON body: {ctx.get('error', 'cannot parse')}")
+        detail = [
+            {"field": ".".join(str(p) for p in e["loc"] if p != "body"), "problem": e["msg"]}
+            for e in errors
+        ]
+        summary = "; ".join(f"{d['field'] or 'body'}: {d['problem']}" for d in detail)
+        return _body(422, f"invalid request: {summary}", json.loads(json.dumps(detail, default=str)))

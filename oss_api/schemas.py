@@ -1,0 +1,176 @@
+"""Request and response models of the native API (the task document of SPEC §2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.states import Phase, StepState, StepType, TaskStatus
+from shared.storage import AttemptRecord
+from shared.task import Step, Task
+
+TASK_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
+
+
+class SubmitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    flow: str = Field(max_length=64, description="Name of a flow in flows.yaml")
+    parameters: dict[str, Any] = Field(
+        default_factory=dict, description="Shared Parameters (a JSON object, at most 64 KiB)"
+    )
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    user_id: str | None = Field(default=None, max_length=128)
+    task_id: str | None = Field(
+        default=None,
+        pattern=TASK_ID,
+        description="Client-chosen id; submitting it again returns the stored task (idempotent)",
+    )
+
+
+class StepDocument(BaseModel):
+    code: int
+    message: str | None
+    time_start: float | None
+    time_end: float | None
+    normal_module: str
+    normal_command: str
+    normal_timeout: float
+    normal_retry: int
+    rollback_module: str | None
+    rollback_command: str | None
+    rollback_timeout: float | None
+    rollback_retry: int | None
+    state: str
+    rollback_state: str
+    attempts: int
+    rollback_attempts: int
+    rollback_time_start: float | None
+    rollback_time_end: float | None
+
+    @classmethod
+    def of(cls, step: Step) -> StepDocument:
+        rb = step.rollback
+        return cls(
+            code=step.code,
+            message=step.message,
+            time_start=step.time_start,
+            time_end=step.time_end,
+            normal_module=step.normal.module,
+            normal_command=step.normal.command,
+            normal_timeout=step.normal.timeout,
+            normal_retry=step.normal.retry,
+            rollback_module=rb.module if rb else None,
+            rollback_command=rb.command if rb else None,
+            rollback_timeout=rb.timeout if rb else None,
+            rollback_retry=rb.retry if rb else None,
+            state=StepState(step.state).label,
+            rollback_state="none" if rb is None and step.rollback_state is StepState.PENDING
+            else StepState(step.rollback_state).label,
+            attempts=step.attempts,
+            rollback_attempts=step.rollback_attempts,
+            rollback_time_start=step.rollback_time_start,
+            rollback_time_end=step.rollback_time_end,
+        )
+
+
+class CurrentMessage(BaseModel):
+    """The task's outstanding step message (the message cursor of seed 004 §三)."""
+
+    seq: int
+    cursor: int
+    type: int
+    attempt: int
+    phase: str
+    due_at: float | None
+
+
+class AttemptDocument(BaseModel):
+    seq: int
+    cursor: int
+    type: int
+    attempt: int
+    module: str
+    command: str
+    started_at: float | None
+    ended_at: float | None
+    outcome: str | None
+    error: str | None
+
+    @classmethod
+    def of(cls, a: AttemptRecord) -> AttemptDocument:
+        return cls(
+            seq=a.seq,
+            cursor=a.cursor,
+            type=int(a.type),
+            attempt=a.attempt,
+            module=a.module,
+            command=a.command,
+            started_at=a.started_at,
+            ended_at=a.ended_at,
+            outcome=a.outcome,
+            error=a.error,
+        )
+
+
+class TaskDocument(BaseModel):
+    task_id: str
+    flow: str
+    task_status: int = Field(
+        description="0 success, 1 not started, 2 running, 3 rolling back, 4 failed (compensated), "
+        "5 rollback failed (needs an operator), 6 cancelled (compensated)"
+    )
+    status_name: str
+    task_message: str | None
+    task_cursor: int = Field(description="Farthest step reached")
+    time_create: float
+    time_start: float | None
+    time_end: float | None
+    priority: int
+    user_id: str | None
+    cancel_requested: bool
+    parameters: dict[str, Any]
+    steps: list[StepDocument]
+    current: CurrentMessage | None
+    attempts: list[AttemptDocument] | None = None
+
+    @classmethod
+    def of(cls, task: Task, attempts: list[AttemptRecord] | None = None) -> TaskDocument:
+        a = task.active
+        return cls(
+            task_id=task.task_id,
+            flow=task.flow,
+            task_status=int(task.status),
+            status_name=TaskStatus(task.status).label,
+            task_message=task.message,
+            task_cursor=task.cursor,
+            time_create=task.created_at,
+            time_start=task.started_at,
+            time_end=task.ended_at,
+            priority=task.priority,
+            user_id=task.user_id,
+            cancel_requested=task.cancel_requested,
+            parameters=dict(task.parameters),
+            steps=[StepDocument.of(s) for s in task.steps],
+            current=CurrentMessage(
+                seq=a.seq,
+                cursor=a.cursor,
+                type=int(StepType(a.type)),
+                attempt=a.attempt,
+                phase=Phase(a.phase).name.lower(),
+                due_at=a.due_at,
+            )
+            if a
+            else None,
+            attempts=[AttemptDocument.of(x) for x in attempts] if attempts is not None else None,
+        )
+
+
+class TaskList(BaseModel):
+    tasks: list[TaskDocument]
+
+
+class ErrorBody(BaseModel):
+    error: str
+    detail: list[dict[str, Any]] | None = None

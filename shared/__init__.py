@@ -1,0 +1,1 @@
+"""Asyncflow core: flow definitions, the saga state machine, storage and messaging."""

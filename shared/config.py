@@ -1,0 +1,65 @@
+"""Settings, read once from ``ASYNCFLOW_*`` environment variables and passed down.
+
+Nothing here runs at import: call :func:`load_settings` at the edge (CLI, app
+factory) and hand the object to constructors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_HOME = Path(".asyncflow")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ASYNCFLOW_", extra="ignore")
+
+    # Embedded default: a SQLite file for tasks and another one as the broker,
+    # both under ``home`` so that `asyncflow up` needs no server.
+    home: Path = DEFAULT_HOME
+    database_url: str | None = None
+    broker_url: str | None = None
+    flows: Path = Path("flows.yaml")
+
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    api_url: str | None = None
+
+    # Intake limits (documented in the README); requests over them get a 413/422.
+    max_body_bytes: int = 1_048_576
+    max_parameters_bytes: int = 65_536
+    list_limit_max: int = 1000
+
+    worker_concurrency: int = 2
+    # Seconds past a step's timeout before its process is killed outright.
+    hard_timeout_grace: float = 5.0
+    scheduler_tick: float = 0.2
+    # "module.command" that receives alarms (rollback failed); empty = log only.
+    alert_command: str = "monitor.report_event"
+    # Poll interval of the embedded (SQLite) broker.
+    embedded_poll_interval: float = 0.05
+    migrate_on_start: bool = True
+
+    log_level: str = Field(default="INFO")
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'asyncflow.sqlite'}"
+
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{self.home / 'broker.sqlite'}"
+
+    def resolved_api_url(self) -> str:
+        return self.api_url or f"http://{self.api_host}:{self.api_port}"
+
+    def is_embedded_broker(self) -> bool:
+        return self.resolved_broker_url().startswith("sqla+sqlite")
+
+
+def load_settings(**overrides: object) -> Settings:
+    settings = Settings(**overrides)  # type: ignore[arg-type]
+    if settings.database_url is None or settings.broker_url is None:
+        settings.home.mkdir(parents=True, exist_ok=True)
+    return settings

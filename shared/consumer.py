@@ -1,0 +1,114 @@
+"""Runs one step message: fence it, call the module's handler, report the outcome.
+
+Broker-agnostic: the Celery task in :mod:`shared.messaging` and the in-process
+drain used by tests both call :meth:`StepConsumer.handle`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from celery.exceptions import SoftTimeLimitExceeded
+
+from shared import metrics
+from shared.config import Settings
+from shared.module import Module, PermanentError, PollLater, StepContext
+from shared.saga import Failed, Started, Succeeded
+from shared.saga import PollLater as PollLaterEvent
+from shared.service import TaskNotFound, TaskService
+from shared.task import Alarm, StepMessage
+
+log = logging.getLogger(__name__)
+
+
+class StepConsumer:
+    def __init__(
+        self,
+        service: TaskService,
+        modules: Mapping[str, Module],
+        settings: Settings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.service = service
+        self.modules = dict(modules)
+        self.settings = settings
+        self.clock = clock
+
+    def handle(self, message: StepMessage) -> None:
+        log_extra = {"task_id": message.task_id, "step": message.cursor, "seq": message.seq}
+        try:
+            decision = self.service.apply(message.task_id, Started(message.seq))
+        except TaskNotFound:
+            log.warning("step message for an unknown task dropped", extra=log_extra)
+            return
+        if decision.ignored:
+            metrics.STALE.labels(message.module).inc()
+            log.info("stale step message ignored: %s", decision.ignored, extra=log_extra)
+            return
+
+        task = decision.task
+        module = self.modules[message.module]
+        module.start(self.settings)
+        ctx = StepContext(
+            task_id=task.task_id,
+            flow=task.flow,
+            cursor=message.cursor,
+            step_type=int(message.type),
+            attempt=message.attempt,
+            # The stored Parameters, not the message copy: the database is the truth.
+            parameters=dict(task.parameters),
+            settings=self.settings,
+        )
+        started = self.clock()
+        try:
+            outcome = module.handler(message.command)(ctx)
+        except SoftTimeLimitExceeded:
+            event = Failed(message.seq, f"timed out after {message.timeout:g}s", timed_out=True)
+        except PermanentError as exc:
+            event = Failed(message.seq, str(exc) or type(exc).__name__, permanent=True)
+        except Exception as exc:  # any handler error fails the attempt
+            log.info("step attempt failed: %r", exc, extra=log_extra)
+            event = Failed(message.seq, f"{type(exc).__name__}: {exc}")
+        else:
+            elapsed = self.clock() - started
+            if elapsed > message.timeout:
+                # The handler swallowed the interrupt; its result came too late to count.
+                event = Failed(message.seq, f"timed out after {message.timeout:g}s", timed_out=True)
+            elif isinstance(outcome, PollLater):
+                event = PollLaterEvent(message.seq, outcome.after, dict(outcome.parameters))
+            elif outcome is None or isinstance(outcome, Mapping):
+                event = Succeeded(message.seq, dict(outcome or {}))
+            else:
+                event = Failed(
+                    message.seq,
+                    f"handler returned {type(outcome).__name__}; expected a dict, None or PollLater",
+                    permanent=True,
+                )
+        metrics.STEP_SECONDS.labels(message.module, message.command, type(event).__name__).observe(
+            self.clock() - started
+        )
+        self.service.apply(message.task_id, event)
+
+    def lost(self, message: StepMessage, reason: str, timed_out: bool = False) -> None:
+        """The process running ``message`` died or was killed: a failed attempt."""
+        log.warning("step attempt lost: %s", reason, extra={"task_id": message.task_id})
+        self.service.apply(message.task_id, Failed(message.seq, reason, timed_out=timed_out))
+
+    def alarm(self, alarm: Alarm, command: str) -> None:
+        """Deliver an alarm to the configured ``module.command`` (e.g. monitor.report_event)."""
+        module_name, _, command_name = command.partition(".")
+        module = self.modules[module_name]
+        module.start(self.settings)
+        ctx = StepContext(
+            task_id=alarm.task_id,
+            flow=alarm.flow,
+            cursor=alarm.cursor,
+            step_type=1,
+            attempt=1,
+            parameters=alarm.to_parameters(),
+            settings=self.settings,
+            key=f"{alarm.task_id}:alarm:{alarm.seq}",
+        )
+        module.handler(command_name)(ctx)

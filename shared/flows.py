@@ -1,0 +1,195 @@
+"""flows.yaml: loaded into pydantic models and validated once, at start-up.
+
+    modules:                       # optional: where each module's code lives
+      resource: {import: modules.resource}
+    flows:
+      create_mysql_instance:
+        description: ...
+        steps:
+          - normal:   {module: resource, command: check_resource, timeout: 300, retry: 0}
+            rollback: {module: monitor, command: report_event, timeout: 300, retry: 3}
+
+A module without an entry is imported from ``modules.<name>``. Every error names
+the file, the flow and the field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shared.module import Module, ModuleError, import_module_object
+
+NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+
+
+class FlowsError(Exception):
+    """flows.yaml cannot be used; ``problems`` holds one line per error."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+class Action(BaseModel):
+    """One command of a step, with its time limit and retry policy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    module: str = Field(pattern=NAME)
+    command: str = Field(pattern=NAME)
+    timeout: float = Field(default=300, gt=0, le=7 * 24 * 3600)
+    retry: int = Field(default=0, ge=0, le=100)
+    # Seed 000 §三.1: a negative max_retry_interval means uniform retries every
+    # retry_interval seconds; a positive one means min(2**n, max_retry_interval).
+    retry_interval: float = Field(default=1.0, gt=0, le=24 * 3600)
+    max_retry_interval: float = Field(default=-1, le=24 * 3600)
+
+    def backoff(self, failed_attempts: int) -> float:
+        """Seconds to wait before the next attempt after ``failed_attempts`` failures."""
+        if self.max_retry_interval < 0:
+            return self.retry_interval
+        return float(min(2 ** (failed_attempts - 1), self.max_retry_interval))
+
+
+class StepDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    normal: Action
+    rollback: Action | None = None
+
+
+class Flow(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME)
+    description: str = ""
+    steps: tuple[StepDef, ...] = Field(min_length=1, max_length=200)
+
+    def actions(self) -> Iterable[tuple[int, str, Action]]:
+        for i, step in enumerate(self.steps):
+            yield i, "normal", step.normal
+            if step.rollback is not None:
+                yield i, "rollback", step.rollback
+
+
+class ModuleDecl(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    import_path: str | None = Field(default=None, alias="import")
+    mode: Literal["push"] = "push"
+
+
+class _FlowBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    description: str = ""
+    steps: list[StepDef] = Field(min_length=1, max_length=200)
+
+
+class _FlowsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    modules: dict[str, ModuleDecl] = Field(default_factory=dict)
+    flows: dict[str, _FlowBody]
+
+
+class FlowSet:
+    """The validated content of one flows.yaml."""
+
+    def __init__(self, flows: dict[str, Flow], modules: dict[str, ModuleDecl], source: str) -> None:
+        self.flows = flows
+        self.modules = modules
+        self.source = source
+
+    def get(self, name: str) -> Flow | None:
+        return self.flows.get(name)
+
+    def module_names(self) -> set[str]:
+        names = set(self.modules)
+        for flow in self.flows.values():
+            names.update(action.module for _, _, action in flow.actions())
+        return names
+
+    def import_path(self, module: str) -> str:
+        decl = self.modules.get(module)
+        return decl.import_path if decl and decl.import_path else f"modules.{module}"
+
+    def load_module(self, name: str) -> Module:
+        return import_module_object(self.import_path(name), name)
+
+    def check_commands(self) -> None:
+        """Import every module and check that it provides each command used."""
+        problems: list[str] = []
+        loaded: dict[str, Module | None] = {}
+        for name in sorted(self.module_names()):
+            try:
+                loaded[name] = self.load_module(name)
+            except ModuleError as exc:
+                loaded[name] = None
+                problems.append(f"{self.source}: {exc}")
+        for flow in self.flows.values():
+            for i, kind, action in flow.actions():
+                module = loaded.get(action.module)
+                if module is not None and action.command not in module.commands:
+                    known = ", ".join(sorted(module.commands)) or "none"
+                    problems.append(
+                        f"{self.source}: flow {flow.name!r}: steps[{i}].{kind}.command: "
+                        f"module {action.module!r} has no command {action.command!r} (it has: {known})"
+                    )
+        if problems:
+            raise FlowsError(problems)
+
+
+def _location(source: str, loc: tuple[Any, ...]) -> str:
+    if len(loc) >= 2 and loc[0] == "flows":
+        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[2:]).lstrip(".")
+        return f"{source}: flow {loc[1]!r}: {field or '(flow)'}"
+    if len(loc) >= 2 and loc[0] == "modules":
+        rest = ".".join(str(p) for p in loc[2:])
+        return f"{source}: module {loc[1]!r}: {rest or '(module)'}"
+    return f"{source}: {'.'.join(str(p) for p in loc) or '(top level)'}"
+
+
+def parse_flows(data: Any, source: str = "flows.yaml") -> FlowSet:
+    if not isinstance(data, dict):
+        raise FlowsError([f"{source}: top level must be a mapping with a 'flows' key"])
+    try:
+        parsed = _FlowsFile.model_validate(data)
+    except ValidationError as exc:
+        raise FlowsError(
+            [f"{_location(source, tuple(e['loc']))}: {e['msg']}" for e in exc.errors()]
+        ) from exc
+    problems = [
+        f"{source}: flow {name!r}: name must match {NAME}"
+        for name in parsed.flows
+        if re.fullmatch(NAME, name) is None
+    ]
+    if problems:
+        raise FlowsError(problems)
+    flows = {
+        name: Flow(name=name, description=body.description, steps=tuple(body.steps))
+        for name, body in parsed.flows.items()
+    }
+    return FlowSet(flows, parsed.modules, source)
+
+
+def load_flows(path: Path | str, check_commands: bool = False) -> FlowSet:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FlowsError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise FlowsError([f"{path}: not valid YAML: {exc}"]) from exc
+    flows = parse_flows(data, str(path))
+    if check_commands:
+        flows.check_commands()
+    return flows

@@ -1,0 +1,135 @@
+"""Celery on kombu: one queue per module, one generic step task.
+
+:func:`make_celery` builds the app (no global app at import); :class:`CeleryPublisher`
+sends step messages and alarms; :class:`StepRequest` turns a hard time limit or
+a killed pool process into a failed attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from billiard.exceptions import WorkerLostError
+from celery import Celery, Task
+from celery.worker.request import Request
+
+from shared.config import Settings
+from shared.messaging.embedded import kombu_url
+from shared.task import Alarm, StepMessage
+
+if TYPE_CHECKING:
+    from shared.consumer import StepConsumer
+
+log = logging.getLogger(__name__)
+
+STEP_TASK = "asyncflow.step"
+ALARM_TASK = "asyncflow.alarm"
+QUEUE_PREFIX = "asyncflow."
+
+
+def queue_name(module: str) -> str:
+    return QUEUE_PREFIX + module
+
+
+class AsyncflowCelery(Celery):
+    """A Celery app that knows which consumer runs its messages in this process."""
+
+    consumer: StepConsumer | None = None
+
+    def step_consumer(self) -> StepConsumer:
+        if self.consumer is None:
+            raise RuntimeError("this process has no step consumer (not started by `asyncflow worker`)")
+        return self.consumer
+
+
+class StepRequest(Request):
+    """Reports attempts that never returned: killed by the hard time limit or lost."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        super().on_timeout(soft, timeout)
+        if not soft:
+            self._report_lost(f"killed after the hard time limit of {timeout:g}s", timed_out=True)
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+        if isinstance(exc_info.exception, WorkerLostError):
+            self._report_lost(f"worker process lost: {exc_info.exception}")
+
+    def _report_lost(self, reason: str, timed_out: bool = False) -> None:
+        try:
+            message = StepMessage.from_payload(self.args[0])
+            self.task.app.step_consumer().lost(message, reason, timed_out=timed_out)
+        except Exception:  # the sweep (not this hook) is the safety net
+            log.exception("could not record a lost step attempt")
+
+
+def make_celery(settings: Settings) -> AsyncflowCelery:
+    url = settings.resolved_broker_url()
+    app = AsyncflowCelery("asyncflow", broker=kombu_url(url), set_as_current=False)
+    conf: dict[str, Any] = dict(
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        result_backend=None,
+        task_acks_late=True,
+        # A killed pool process is reported as a failed attempt by StepRequest,
+        # so its message is acknowledged rather than re-queued in a loop.
+        task_reject_on_worker_lost=False,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=4,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        task_default_queue=queue_name("default"),
+        worker_send_task_events=False,
+    )
+    if settings.is_embedded_broker():
+        conf["broker_transport_options"] = {"polling_interval": settings.embedded_poll_interval}
+        # The SQL transport has no fanout: remote control would only poll in vain.
+        conf["worker_enable_remote_control"] = False
+    elif url.startswith(("amqp", "pyamqp")):
+        # Publisher confirms: a publish returns only once RabbitMQ has the message.
+        conf["broker_transport_options"] = {"confirm_publish": True}
+    app.conf.update(conf)
+    _register_tasks(app, settings)
+    return app
+
+
+def _register_tasks(app: AsyncflowCelery, settings: Settings) -> None:
+    @app.task(name=STEP_TASK, bind=True, Request=StepRequest)
+    def run_step(self: Task, payload: dict[str, Any]) -> None:
+        self.app.step_consumer().handle(StepMessage.from_payload(payload))
+
+    @app.task(
+        name=ALARM_TASK,
+        bind=True,
+        autoretry_for=(Exception,),
+        max_retries=5,
+        retry_backoff=True,
+    )
+    def deliver_alarm(self: Task, payload: dict[str, Any]) -> None:
+        alarm = Alarm(**payload)
+        self.app.step_consumer().alarm(alarm, settings.alert_command)
+
+
+class CeleryPublisher:
+    def __init__(self, app: AsyncflowCelery, settings: Settings) -> None:
+        self.app = app
+        self.grace = settings.hard_timeout_grace
+        self.alert_command = settings.alert_command
+
+    def publish(self, message: StepMessage) -> None:
+        self.app.send_task(
+            STEP_TASK,
+            args=[message.to_payload()],
+            queue=queue_name(message.module),
+            # The soft limit interrupts the handler; the hard one kills its process.
+            soft_time_limit=message.timeout,
+            time_limit=message.timeout + self.grace,
+        )
+
+    def alarm(self, alarm: Alarm) -> None:
+        if not self.alert_command:
+            return
+        module = self.alert_command.partition(".")[0]
+        self.app.send_task(ALARM_TASK, args=[alarm.__dict__], queue=queue_name(module))

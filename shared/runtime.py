@@ -1,0 +1,57 @@
+"""Builds the parts one process needs from Settings, lazily, without globals."""
+
+from __future__ import annotations
+
+import logging
+from functools import cached_property
+
+from shared.config import Settings
+from shared.consumer import StepConsumer
+from shared.flows import FlowSet, load_flows
+from shared.messaging import AsyncflowCelery, CeleryPublisher, make_celery
+from shared.module import Module
+from shared.service import TaskService
+from shared.storage import SqlStore, open_store
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    def __init__(self, settings: Settings, flows: FlowSet | None = None) -> None:
+        self.settings = settings
+        self._flows = flows
+
+    @cached_property
+    def flows(self) -> FlowSet:
+        return self._flows or load_flows(self.settings.flows)
+
+    @cached_property
+    def store(self) -> SqlStore:
+        return open_store(self.settings.resolved_database_url())
+
+    @cached_property
+    def celery(self) -> AsyncflowCelery:
+        return make_celery(self.settings)
+
+    @cached_property
+    def service(self) -> TaskService:
+        return TaskService(self.store, CeleryPublisher(self.celery, self.settings), self.flows)
+
+    def load_modules(self, names: list[str]) -> dict[str, Module]:
+        known = self.flows.module_names()
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise SystemExit(
+                f"{self.flows.source}: no flow uses module(s) {', '.join(unknown)}; "
+                f"known modules: {', '.join(sorted(known))}"
+            )
+        return {name: self.flows.load_module(name) for name in names}
+
+    def consumer(self, names: list[str]) -> StepConsumer:
+        consumer = StepConsumer(self.service, self.load_modules(names), self.settings)
+        self.celery.consumer = consumer
+        return consumer
+
+    def close(self) -> None:
+        if "store" in self.__dict__:
+            self.store.close()

@@ -1,0 +1,350 @@
+"""The saga state machine: ``decide(task, event, now) -> Decision``.
+
+Pure: no I/O, no clock, no randomness. The engine loads a task, calls
+:func:`decide`, stores the new task with a compare-and-set on its version, and
+only then publishes the returned messages and raises the returned alarms.
+
+Step events carry the ``seq`` of the message they answer; an event whose seq or
+phase does not match the task's one outstanding message is stale (a duplicate
+delivery, a late worker) and is ignored, so redelivery never advances a task twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shared.states import Phase, StepCode, StepState, StepType, TaskStatus
+from shared.task import Active, Alarm, StepMessage, Task
+
+
+class InvalidAction(Exception):
+    """An operator action that the task's current state does not allow."""
+
+
+# --- events -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Submit:
+    """The task was stored; dispatch its first step."""
+
+
+@dataclass(frozen=True)
+class Due:
+    """A waiting message (backoff, poll later) has reached its due time."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Started:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    seq: int
+    result: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Failed:
+    seq: int
+    error: str
+    timed_out: bool = False
+    permanent: bool = False  # retrying cannot help: skip the remaining retries
+
+
+@dataclass(frozen=True)
+class PollLater:
+    seq: int
+    after: float
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    pass
+
+
+@dataclass(frozen=True)
+class Retry:
+    pass
+
+
+@dataclass(frozen=True)
+class Resume:
+    pass
+
+
+StepEvent = Due | Started | Succeeded | Failed | PollLater
+Event = Submit | StepEvent | Cancel | Retry | Resume
+
+# The phase the outstanding message must be in for each step event to apply.
+_EXPECTED_PHASE: dict[type, Phase] = {
+    Due: Phase.WAITING,
+    Started: Phase.QUEUED,
+    Succeeded: Phase.RUNNING,
+    Failed: Phase.RUNNING,
+    PollLater: Phase.RUNNING,
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    task: Task
+    messages: tuple[StepMessage, ...] = ()
+    alarms: tuple[Alarm, ...] = ()
+    ignored: str | None = None  # set when a step event was stale and changed nothing
+
+
+def decide(task: Task, event: Event, now: float) -> Decision:
+    if isinstance(event, Submit):
+        return _submit(task, now)
+    if isinstance(event, Cancel):
+        return _cancel(task, now)
+    if isinstance(event, Retry):
+        return _retry(task, now)
+    if isinstance(event, Resume):
+        return _resume(task, now)
+
+    stale = _stale(task, event)
+    if stale:
+        return Decision(task, ignored=stale)
+    if isinstance(event, Due):
+        return _due(task)
+    if isinstance(event, Started):
+        return _started(task, now)
+    if isinstance(event, Succeeded):
+        return _succeeded(task, event, now)
+    if isinstance(event, Failed):
+        return _failed(task, event, now)
+    return _poll_later(task, event, now)
+
+
+def _stale(task: Task, event: StepEvent) -> str | None:
+    active = task.active
+    if active is None:
+        return f"task {task.task_id} has no outstanding step (status {task.status.label})"
+    if active.seq != event.seq:
+        return f"message seq {event.seq} is not the outstanding seq {active.seq}"
+    expected = _EXPECTED_PHASE[type(event)]
+    if active.phase is not expected:
+        return f"{type(event).__name__} for seq {event.seq} while it is {active.phase.name.lower()}"
+    return None
+
+
+# --- dispatch helpers ---------------------------------------------------------
+
+
+def _dispatch(
+    task: Task, cursor: int, step_type: StepType, attempt: int, now: float, delay: float = 0.0
+) -> Decision:
+    seq = task.seq + 1
+    if delay > 0:
+        active = Active(seq, cursor, step_type, attempt, Phase.WAITING, due_at=now + delay)
+        return Decision(replace(task, seq=seq, active=active))
+    active = Active(seq, cursor, step_type, attempt, Phase.QUEUED, due_at=now)
+    task = replace(task, seq=seq, active=active)
+    return Decision(task, messages=(message_for(task),))
+
+
+def message_for(task: Task) -> StepMessage:
+    """The step message for the task's outstanding (queued) step."""
+    active = task.active
+    assert active is not None
+    action = task.steps[active.cursor].action(active.type)
+    return StepMessage(
+        task_id=task.task_id,
+        flow=task.flow,
+        seq=active.seq,
+        cursor=active.cursor,
+        type=active.type,
+        attempt=active.attempt,
+        module=action.module,
+        command=action.command,
+        timeout=action.timeout,
+        retry=action.retry,
+        parameters=dict(task.parameters),
+    )
+
+
+def _rollback_from(task: Task, start: int, now: float) -> Decision:
+    """Compensate steps ``start``, ``start-1`` … 0, skipping steps without a rollback."""
+    task = replace(task, status=TaskStatus.ROLLING_BACK, active=None)
+    for index in range(start, -1, -1):
+        if task.steps[index].rollback is None:
+            task = task.with_step(index, rollback_state=StepState.SKIPPED)
+            continue
+        return _dispatch(task, index, StepType.ROLLBACK, 1, now)
+    final = TaskStatus.CANCELLED if task.cancel_requested else TaskStatus.FAILED
+    return Decision(replace(task, status=final, ended_at=now))
+
+
+def _merge(task: Task, values: Mapping[str, Any]) -> Task:
+    if not values:
+        return task
+    return replace(task, parameters={**task.parameters, **values})
+
+
+# --- step events ---------------------------------------------------------------
+
+
+def _submit(task: Task, now: float) -> Decision:
+    if task.status is not TaskStatus.PENDING or task.seq != 0:
+        raise InvalidAction(f"task {task.task_id} was already dispatched")
+    return _dispatch(task, 0, StepType.NORMAL, 1, now)
+
+
+def _due(task: Task) -> Decision:
+    assert task.active is not None
+    task = replace(task, active=replace(task.active, phase=Phase.QUEUED))
+    return Decision(task, messages=(message_for(task),))
+
+
+def _started(task: Task, now: float) -> Decision:
+    active = task.active
+    assert active is not None
+    step = task.steps[active.cursor]
+    if active.type is StepType.NORMAL:
+        task = task.with_step(
+            active.cursor,
+            state=StepState.RUNNING,
+            attempts=active.attempt,
+            time_start=step.time_start or now,
+        )
+    else:
+        task = task.with_step(
+            active.cursor,
+            rollback_state=StepState.RUNNING,
+            rollback_attempts=active.attempt,
+            rollback_time_start=step.rollback_time_start or now,
+        )
+    if task.status is TaskStatus.PENDING:
+        task = replace(task, status=TaskStatus.RUNNING, started_at=now)
+    return Decision(replace(task, active=replace(active, phase=Phase.RUNNING, started_at=now)))
+
+
+def _succeeded(task: Task, event: Succeeded, now: float) -> Decision:
+    active = task.active
+    assert active is not None
+    n = active.cursor
+    if active.type is StepType.ROLLBACK:
+        task = task.with_step(n, rollback_state=StepState.SUCCEEDED, rollback_time_end=now)
+        return _rollback_from(task, n - 1, now)
+
+    task = _merge(task, event.result).with_step(
+        n, state=StepState.SUCCEEDED, code=StepCode.OK, message=None, time_end=now
+    )
+    if task.cancel_requested:
+        return _rollback_from(replace(task, message="cancelled by operator"), n, now)
+    if n == len(task.steps) - 1:
+        return Decision(replace(task, status=TaskStatus.SUCCESS, ended_at=now, active=None))
+    return _dispatch(replace(task, cursor=n + 1), n + 1, StepType.NORMAL, 1, now)
+
+
+def _failed(task: Task, event: Failed, now: float) -> Decision:
+    active = task.active
+    assert active is not None
+    n = active.cursor
+    step = task.steps[n]
+    action = step.action(active.type)
+    code = StepCode.TIMED_OUT if event.timed_out else StepCode.FAILED
+    cancelling = task.cancel_requested and active.type is StepType.NORMAL
+    if active.attempt <= action.retry and not event.permanent and not cancelling:
+        task = task.with_step(n, code=code, message=event.error)
+        delay = action.backoff(active.attempt)
+        return _dispatch(task, n, active.type, active.attempt + 1, now, delay)
+
+    where = f"step {n} ({action.module}.{action.command})"
+    if active.type is StepType.NORMAL:
+        task = task.with_step(n, state=StepState.FAILED, code=code, message=event.error, time_end=now)
+        return _rollback_from(replace(task, message=f"{where} failed: {event.error}"), n, now)
+
+    task = task.with_step(
+        n, rollback_state=StepState.FAILED, code=code, message=event.error, rollback_time_end=now
+    )
+    task = replace(
+        task,
+        status=TaskStatus.ROLLBACK_FAILED,
+        message=f"rollback of {where} failed: {event.error}",
+        active=None,
+        ended_at=now,
+    )
+    alarm = Alarm(task.task_id, task.flow, active.seq, n, action.module, action.command, event.error)
+    return Decision(task, alarms=(alarm,))
+
+
+def _poll_later(task: Task, event: PollLater, now: float) -> Decision:
+    active = task.active
+    assert active is not None
+    task = _merge(task, event.parameters)
+    if task.cancel_requested and active.type is StepType.NORMAL:
+        task = task.with_step(
+            active.cursor, state=StepState.CANCELLED, code=StepCode.CANCELLED, time_end=now
+        )
+        return _rollback_from(replace(task, message="cancelled by operator"), active.cursor, now)
+    return _dispatch(task, active.cursor, active.type, active.attempt, now, max(event.after, 0.0))
+
+
+# --- operator actions ----------------------------------------------------------
+
+
+def _cancel(task: Task, now: float) -> Decision:
+    if task.status not in (TaskStatus.PENDING, TaskStatus.RUNNING):
+        raise InvalidAction(
+            f"task {task.task_id} is {task.status.label}; only pending or running tasks can be cancelled"
+        )
+    if task.cancel_requested:
+        return Decision(task)
+    active = task.active
+    assert active is not None, "a pending or running task always has an outstanding step"
+    task = replace(task, cancel_requested=True, message="cancel requested")
+    if active.phase is Phase.RUNNING:
+        # The attempt in flight finishes (or times out); its outcome starts the rollback.
+        return Decision(task)
+    n = active.cursor
+    task = replace(task, message="cancelled by operator", active=None)
+    if task.steps[n].attempts == 0:
+        # Step n never ran: nothing of it to undo.
+        return _rollback_from(task, n - 1, now)
+    task = task.with_step(n, state=StepState.CANCELLED, code=StepCode.CANCELLED, time_end=now)
+    return _rollback_from(task, n, now)
+
+
+def _retry(task: Task, now: float) -> Decision:
+    if task.status not in (TaskStatus.FAILED, TaskStatus.CANCELLED):
+        raise InvalidAction(
+            f"task {task.task_id} is {task.status.label}; only failed or cancelled tasks can be retried"
+        )
+    # Run again from the failed step, but first redo any earlier step whose work
+    # the compensation undid: resuming past it would build on work that is gone.
+    n = task.cursor
+    undone = [k for k in range(n) if task.steps[k].rollback_state is StepState.SUCCEEDED]
+    start = min(undone + [n])
+    steps = task.steps[:start] + tuple(
+        type(s)(normal=s.normal, rollback=s.rollback) for s in task.steps[start:]
+    )
+    task = replace(
+        task,
+        steps=steps,
+        status=TaskStatus.RUNNING,
+        cursor=start,
+        message=None,
+        ended_at=None,
+        cancel_requested=False,
+    )
+    return _dispatch(task, start, StepType.NORMAL, 1, now)
+
+
+def _resume(task: Task, now: float) -> Decision:
+    if task.status is not TaskStatus.ROLLBACK_FAILED:
+        raise InvalidAction(
+            f"task {task.task_id} is {task.status.label}; only a failed rollback can be resumed"
+        )
+    k = max(i for i, s in enumerate(task.steps) if s.rollback_state is StepState.FAILED)
+    task = task.with_step(k, rollback_state=StepState.PENDING)
+    task = replace(task, status=TaskStatus.ROLLING_BACK, ended_at=None, message=None)
+    return _dispatch(task, k, StepType.ROLLBACK, 1, now)

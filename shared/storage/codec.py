@@ -1,0 +1,111 @@
+"""Task <-> row mapping. The steps list is stored as JSON inside the task row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.flows import Action
+from shared.states import Phase, StepState, StepType, TaskStatus
+from shared.task import Active, Step, Task
+
+
+def _action(data: dict[str, Any] | None) -> Action | None:
+    return Action.model_validate(data) if data is not None else None
+
+
+def step_to_json(step: Step) -> dict[str, Any]:
+    return {
+        "normal": step.normal.model_dump(),
+        "rollback": step.rollback.model_dump() if step.rollback else None,
+        "state": int(step.state),
+        "rollback_state": int(step.rollback_state),
+        "code": int(step.code),
+        "message": step.message,
+        "time_start": step.time_start,
+        "time_end": step.time_end,
+        "rollback_time_start": step.rollback_time_start,
+        "rollback_time_end": step.rollback_time_end,
+        "attempts": step.attempts,
+        "rollback_attempts": step.rollback_attempts,
+    }
+
+
+def step_from_json(data: dict[str, Any]) -> Step:
+    normal = _action(data["normal"])
+    assert normal is not None
+    return Step(
+        normal=normal,
+        rollback=_action(data.get("rollback")),
+        state=StepState(data["state"]),
+        rollback_state=StepState(data["rollback_state"]),
+        code=int(data["code"]),
+        message=data.get("message"),
+        time_start=data.get("time_start"),
+        time_end=data.get("time_end"),
+        rollback_time_start=data.get("rollback_time_start"),
+        rollback_time_end=data.get("rollback_time_end"),
+        attempts=int(data.get("attempts", 0)),
+        rollback_attempts=int(data.get("rollback_attempts", 0)),
+    )
+
+
+def task_to_row(task: Task, now: float) -> dict[str, Any]:
+    active = task.active
+    return {
+        "task_id": task.task_id,
+        "flow": task.flow,
+        "status": int(task.status),
+        "cursor": task.cursor,
+        "message": task.message,
+        "priority": task.priority,
+        "user_id": task.user_id,
+        "parameters": dict(task.parameters),
+        "steps": [step_to_json(s) for s in task.steps],
+        "created_at": task.created_at,
+        "started_at": task.started_at,
+        "ended_at": task.ended_at,
+        "updated_at": now,
+        "cancel_requested": task.cancel_requested,
+        "seq": task.seq,
+        "active_seq": active.seq if active else None,
+        "active_cursor": active.cursor if active else None,
+        "active_type": int(active.type) if active else None,
+        "active_attempt": active.attempt if active else None,
+        "active_phase": int(active.phase) if active else None,
+        "due_at": active.due_at if active else None,
+        "active_started_at": active.started_at if active else None,
+        "version": task.version,
+    }
+
+
+def task_from_row(row: Any) -> Task:
+    m = row._mapping if hasattr(row, "_mapping") else row
+    active = None
+    if m["active_seq"] is not None:
+        active = Active(
+            seq=m["active_seq"],
+            cursor=m["active_cursor"],
+            type=StepType(m["active_type"]),
+            attempt=m["active_attempt"],
+            phase=Phase(m["active_phase"]),
+            due_at=m["due_at"],
+            started_at=m["active_started_at"],
+        )
+    return Task(
+        task_id=m["task_id"],
+        flow=m["flow"],
+        status=TaskStatus(m["status"]),
+        cursor=m["cursor"],
+        parameters=dict(m["parameters"]),
+        steps=tuple(step_from_json(s) for s in m["steps"]),
+        created_at=m["created_at"],
+        priority=m["priority"],
+        user_id=m["user_id"],
+        message=m["message"],
+        started_at=m["started_at"],
+        ended_at=m["ended_at"],
+        cancel_requested=bool(m["cancel_requested"]),
+        seq=m["seq"],
+        active=active,
+        version=m["version"],
+    )

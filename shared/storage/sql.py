@@ -1,0 +1,201 @@
+"""The SQL task store (SQLAlchemy Core). The only place that runs the core's SQL.
+
+Dialects are small subclasses chosen from the URL by :func:`open_store`.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, insert, select, update
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+from shared.states import Phase, StepType
+from shared.storage.base import (
+    AttemptRecord,
+    StorageUnavailable,
+    TaskConflict,
+    TaskFilter,
+    TaskStore,
+    same_request,
+)
+from shared.storage.codec import task_from_row, task_to_row
+from shared.storage.schema import attempts, metadata, tasks
+from shared.task import Task
+
+
+class SqlStore(TaskStore):
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = self._make_engine(url)
+        # A forked child (Celery prefork) must not reuse the parent's connections.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (s := ref()) and s.engine.dispose(close=False))
+
+    def _make_engine(self, url: str) -> Engine:
+        return create_engine(url, pool_pre_ping=True)
+
+    @contextmanager
+    def _tx(self, read_only: bool = False) -> Iterator[Connection]:
+        try:
+            with self.engine.connect() as conn:
+                if read_only:
+                    conn = conn.execution_options(asyncflow_read_only=True)
+                with conn.begin():
+                    yield conn
+        except IntegrityError:
+            raise
+        except OperationalError as exc:
+            raise StorageUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+        except DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise StorageUnavailable(f"database connection lost: {exc.orig or exc}") from exc
+            raise
+
+    def create_schema(self) -> None:
+        """For tests and fakes; deployments use the Alembic migrations."""
+        metadata.create_all(self.engine)
+
+    def create(self, task: Task, now: float) -> tuple[Task, bool]:
+        row = task_to_row(task, now) | {"version": 1}
+        try:
+            with self._tx() as conn:
+                conn.execute(insert(tasks).values(**row))
+            return task_from_row(row), True
+        except IntegrityError:
+            stored = self.get(task.task_id)
+            if stored is None:  # deleted in between: vanishingly rare, report as a conflict
+                raise TaskConflict(f"task id {task.task_id!r} could not be stored") from None
+            if not same_request(stored, task):
+                raise TaskConflict(f"task id {task.task_id!r} is already used") from None
+            return stored, False
+
+    def get(self, task_id: str) -> Task | None:
+        with self._tx(read_only=True) as conn:
+            row = conn.execute(select(tasks).where(tasks.c.task_id == task_id)).first()
+        return task_from_row(row) if row is not None else None
+
+    def save(self, task: Task, now: float, attempt: AttemptRecord | None = None) -> bool:
+        row = task_to_row(task, now)
+        del row["task_id"], row["created_at"]
+        row["version"] = task.version + 1
+        with self._tx() as conn:
+            result = conn.execute(
+                update(tasks)
+                .where(tasks.c.task_id == task.task_id, tasks.c.version == task.version)
+                .values(**row)
+            )
+            if result.rowcount != 1:
+                return False
+            if attempt is not None:
+                self._write_attempt(conn, attempt)
+        return True
+
+    def _write_attempt(self, conn: Connection, a: AttemptRecord) -> None:
+        if a.started_at is not None and a.outcome is None:
+            conn.execute(insert(attempts).values(**_attempt_row(a)))
+            return
+        conn.execute(
+            update(attempts)
+            .where(attempts.c.task_id == a.task_id, attempts.c.seq == a.seq)
+            .values(ended_at=a.ended_at, outcome=a.outcome, error=a.error)
+        )
+
+    def list(self, where: TaskFilter) -> list[Task]:
+        query = select(tasks).order_by(tasks.c.created_at.desc()).limit(where.limit)
+        if where.flow is not None:
+            query = query.where(tasks.c.flow == where.flow)
+        if where.status is not None:
+            query = query.where(tasks.c.status == int(where.status))
+        if where.user_id is not None:
+            query = query.where(tasks.c.user_id == where.user_id)
+        with self._tx(read_only=True) as conn:
+            return [task_from_row(r) for r in conn.execute(query)]
+
+    def attempts(self, task_id: str) -> list[AttemptRecord]:
+        query = select(attempts).where(attempts.c.task_id == task_id).order_by(attempts.c.seq)
+        with self._tx(read_only=True) as conn:
+            return [
+                AttemptRecord(**{**r._mapping, "type": StepType(r.type)}) for r in conn.execute(query)
+            ]
+
+    def due(self, now: float, limit: int) -> list[tuple[str, int]]:
+        query = (
+            select(tasks.c.task_id, tasks.c.active_seq)
+            .where(tasks.c.active_phase == int(Phase.WAITING), tasks.c.due_at <= now)
+            .order_by(tasks.c.due_at)
+            .limit(limit)
+        )
+        with self._tx(read_only=True) as conn:
+            return [(r.task_id, r.active_seq) for r in conn.execute(query)]
+
+    def ping(self) -> None:
+        with self._tx(read_only=True) as conn:
+            conn.exec_driver_sql("SELECT 1")
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _attempt_row(a: AttemptRecord) -> dict[str, Any]:
+    return {
+        "task_id": a.task_id,
+        "seq": a.seq,
+        "cursor": a.cursor,
+        "type": int(a.type),
+        "attempt": a.attempt,
+        "module": a.module,
+        "command": a.command,
+        "started_at": a.started_at,
+        "ended_at": a.ended_at,
+        "outcome": a.outcome,
+        "error": a.error,
+    }
+
+
+class SqliteStore(SqlStore):
+    """WAL, a busy timeout and BEGIN IMMEDIATE: several processes write one file."""
+
+    def _make_engine(self, url: str) -> Engine:
+        return sqlite_engine(url)
+
+
+def sqlite_engine(url: str) -> Engine:
+    engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy's begin event issue BEGIN itself (pysqlite would defer it).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # Writers take the lock up front: a deferred transaction that later writes
+        # fails with "database is locked" instead of waiting for busy_timeout.
+        # Readers stay deferred so that WAL lets them run beside a writer.
+        read_only = conn.get_execution_options().get("asyncflow_read_only", False)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+class PostgresStore(SqlStore):
+    def _make_engine(self, url: str) -> Engine:
+        return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+
+
+def open_store(url: str) -> SqlStore:
+    if url.startswith("sqlite"):
+        return SqliteStore(url)
+    if url.startswith("postgresql"):
+        return PostgresStore(url)
+    return SqlStore(url)

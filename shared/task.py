@@ -1,0 +1,167 @@
+"""The task as plain immutable data: what the saga reads and returns.
+
+No I/O here. Storage maps these to rows; the API maps them to the task document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shared.flows import Action, Flow
+from shared.states import Phase, StepState, StepType, TaskStatus
+
+
+@dataclass(frozen=True)
+class Step:
+    normal: Action
+    rollback: Action | None
+    state: StepState = StepState.PENDING
+    rollback_state: StepState = StepState.PENDING
+    code: int = 0
+    message: str | None = None
+    time_start: float | None = None
+    time_end: float | None = None
+    rollback_time_start: float | None = None
+    rollback_time_end: float | None = None
+    attempts: int = 0
+    rollback_attempts: int = 0
+
+    def action(self, step_type: StepType) -> Action:
+        if step_type is StepType.NORMAL:
+            return self.normal
+        assert self.rollback is not None, "rollback dispatched for a step without one"
+        return self.rollback
+
+
+@dataclass(frozen=True)
+class Active:
+    """The one outstanding step message of a task; messages that don't match are stale."""
+
+    seq: int
+    cursor: int
+    type: StepType
+    attempt: int
+    phase: Phase
+    due_at: float | None = None
+    started_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    flow: str
+    status: TaskStatus
+    cursor: int
+    parameters: Mapping[str, Any]
+    steps: tuple[Step, ...]
+    created_at: float
+    priority: int = 0
+    user_id: str | None = None
+    message: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    cancel_requested: bool = False
+    seq: int = 0  # last message sequence number issued
+    active: Active | None = None
+    version: int = 0
+
+    def with_step(self, index: int, **changes: Any) -> Task:
+        steps = list(self.steps)
+        steps[index] = replace(steps[index], **changes)
+        return replace(self, steps=tuple(steps))
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """What goes on a module queue (seed 004 §三, plus seq and attempt for fencing)."""
+
+    task_id: str
+    flow: str
+    seq: int
+    cursor: int
+    type: StepType
+    attempt: int
+    module: str
+    command: str
+    timeout: float
+    retry: int
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "flow": self.flow,
+            "seq": self.seq,
+            "cursor": self.cursor,
+            "type": int(self.type),
+            "attempt": self.attempt,
+            "module": self.module,
+            "command": self.command,
+            "timeout": self.timeout,
+            "retry": self.retry,
+            "parameters": dict(self.parameters),
+        }
+
+    @classmethod
+    def from_payload(cls, data: Mapping[str, Any]) -> StepMessage:
+        return cls(
+            task_id=str(data["task_id"]),
+            flow=str(data["flow"]),
+            seq=int(data["seq"]),
+            cursor=int(data["cursor"]),
+            type=StepType(int(data["type"])),
+            attempt=int(data["attempt"]),
+            module=str(data["module"]),
+            command=str(data["command"]),
+            timeout=float(data["timeout"]),
+            retry=int(data["retry"]),
+            parameters=dict(data.get("parameters") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """A compensation failed: somebody has to look."""
+
+    task_id: str
+    flow: str
+    seq: int  # of the rollback message that failed: one alarm per failure
+    cursor: int
+    module: str
+    command: str
+    error: str
+
+    def to_parameters(self) -> dict[str, Any]:
+        return {
+            "Alarm": "rollback_failed",
+            "TaskId": self.task_id,
+            "Flow": self.flow,
+            "Cursor": self.cursor,
+            "Module": self.module,
+            "Command": self.command,
+            "Error": self.error,
+        }
+
+
+def new_task(
+    task_id: str,
+    flow: Flow,
+    parameters: Mapping[str, Any],
+    now: float,
+    priority: int = 0,
+    user_id: str | None = None,
+) -> Task:
+    """A task as stored at submit: cursor 0, status 1, no message yet."""
+    return Task(
+        task_id=task_id,
+        flow=flow.name,
+        status=TaskStatus.PENDING,
+        cursor=0,
+        parameters=dict(parameters),
+        steps=tuple(Step(normal=s.normal, rollback=s.rollback) for s in flow.steps),
+        created_at=now,
+        priority=priority,
+        user_id=user_id,
+    )

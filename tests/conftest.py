@@ -1,0 +1,28 @@
+"""Shared fixtures: our own environment cleared, real services found or skipped.
+
+Real-service fixtures skip locally with the reason when the service is absent;
+under CI (CI=true) they fail instead, so a green CI run means they ran.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("ASYNCFLOW_"):
+            monkeypatch.delenv(key)
+
+
+def require_service(name: str, problem: str | None) -> None:
+    """Skip (locally) or fail (CI) when a real service is not usable."""
+    if problem is None:
+        return
+    message = f"{name} is not available: {problem}"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{message} (CI=true: real-service tests must run)")
+    pytest.skip(message)

@@ -1,0 +1,209 @@
+"""The saga transition function, by example (see test_saga_properties for the rules)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from shared.flows import Action, Flow, StepDef
+from shared.saga import (
+    Cancel,
+    Due,
+    Failed,
+    InvalidAction,
+    PollLater,
+    Resume,
+    Retry,
+    Started,
+    Submit,
+    Succeeded,
+    decide,
+)
+from shared.states import Phase, StepState, StepType, TaskStatus
+from shared.task import Task, new_task
+
+
+def flow(*retries: int, rollbacks: tuple[bool, ...] | None = None) -> Flow:
+    rollbacks = rollbacks or tuple(True for _ in retries)
+    return Flow(
+        name="f",
+        steps=tuple(
+            StepDef(
+                normal=Action(module="m", command=f"do{i}", retry=r, timeout=10),
+                rollback=Action(module="m", command=f"undo{i}", retry=1) if rb else None,
+            )
+            for i, (r, rb) in enumerate(zip(retries, rollbacks, strict=True))
+        ),
+    )
+
+
+def submitted(f: Flow, params: dict | None = None) -> Task:
+    d = decide(new_task("t1", f, params or {"Cpu": 4}, now=100.0), Submit(), 100.0)
+    assert len(d.messages) == 1
+    return d.task
+
+
+def run(task: Task, *outcomes: object, now: float = 200.0) -> Task:
+    """Start the outstanding message and apply each outcome in turn."""
+    for outcome in outcomes:
+        if task.active.phase is Phase.WAITING:
+            task = decide(task, Due(task.active.seq), now).task
+        task = decide(task, Started(task.active.seq), now).task
+        task = decide(task, outcome(task.active.seq), now).task  # type: ignore[operator]
+    return task
+
+
+def ok(result: dict | None = None):
+    return lambda seq: Succeeded(seq, result or {})
+
+
+def fail(seq: int) -> Failed:
+    return Failed(seq, "boom")
+
+
+def test_submit_stores_cursor_zero_status_one_and_queues_step_zero() -> None:
+    task = new_task("t1", flow(0, 0), {"Cpu": 4}, now=100.0)
+    d = decide(task, Submit(), 100.0)
+    assert d.task.status is TaskStatus.PENDING and d.task.cursor == 0
+    (msg,) = d.messages
+    assert (msg.cursor, msg.type, msg.command, msg.parameters) == (0, StepType.NORMAL, "do0", {"Cpu": 4})
+    assert d.task.active.phase is Phase.QUEUED
+
+
+def test_started_sets_running_and_success_merges_results_and_advances() -> None:
+    task = submitted(flow(0, 0))
+    task = decide(task, Started(task.active.seq), 101.0).task
+    assert task.status is TaskStatus.RUNNING and task.started_at == 101.0
+    d = decide(task, Succeeded(task.active.seq, {"InstanceId": "i-1"}), 102.0)
+    assert d.task.parameters == {"Cpu": 4, "InstanceId": "i-1"}
+    assert d.task.cursor == 1 and d.messages[0].cursor == 1
+    assert d.messages[0].parameters["InstanceId"] == "i-1"
+    final = run(d.task, ok())
+    assert final.status is TaskStatus.SUCCESS and final.active is None and final.ended_at
+
+
+def test_failure_rolls_back_failed_step_then_earlier_in_reverse() -> None:
+    task = run(submitted(flow(0, 0, 0)), ok(), ok(), fail)
+    assert task.status is TaskStatus.ROLLING_BACK and task.cursor == 2
+    assert task.steps[2].state is StepState.FAILED and task.steps[2].message == "boom"
+    assert "step 2 (m.do2) failed: boom" == task.message
+    order = []
+    while task.active:
+        order.append((task.active.cursor, task.active.type))
+        task = run(task, ok())
+    assert order == [(2, StepType.ROLLBACK), (1, StepType.ROLLBACK), (0, StepType.ROLLBACK)]
+    assert task.status is TaskStatus.FAILED and task.cursor == 2
+
+
+def test_steps_without_rollback_are_skipped() -> None:
+    task = run(submitted(flow(0, 0, 0, rollbacks=(True, False, True))), ok(), ok(), fail)
+    assert task.active.cursor == 2
+    task = run(task, ok())
+    assert task.active.cursor == 0 and task.steps[1].rollback_state is StepState.SKIPPED
+
+
+def test_retry_redelivers_after_backoff_without_consuming_a_new_step() -> None:
+    task = run(submitted(flow(2)), fail)
+    assert task.active.phase is Phase.WAITING and task.active.attempt == 2
+    assert task.active.due_at == 200.0 + 1.0  # uniform retry_interval default
+    d = decide(task, Due(task.active.seq), 201.0)
+    assert d.messages[0].attempt == 2
+    task = run(d.task, fail, fail)
+    assert task.status is TaskStatus.ROLLING_BACK and task.steps[0].attempts == 3
+
+
+def test_progressive_backoff_follows_min_pow2_max() -> None:
+    action = Action(module="m", command="c", max_retry_interval=10)
+    assert [action.backoff(n) for n in range(1, 8)] == [1, 2, 4, 8, 10, 10, 10]
+    assert Action(module="m", command="c", retry_interval=3).backoff(5) == 3
+
+
+def test_permanent_failure_skips_remaining_retries() -> None:
+    task = submitted(flow(5))
+    task = decide(task, Started(task.active.seq), 1.0).task
+    task = decide(task, Failed(task.active.seq, "no quota", permanent=True), 1.0).task
+    assert task.status is TaskStatus.ROLLING_BACK
+
+
+def test_rollback_failure_stops_with_alarm_and_resume_continues() -> None:
+    task = run(submitted(flow(0, 0)), ok(), fail)  # rollback of step 1 pending
+    task = decide(task, Started(task.active.seq), 1.0).task
+    d = decide(task, Failed(task.active.seq, "x"), 1.0)  # rollback retry=1 → retried
+    assert d.task.status is TaskStatus.ROLLING_BACK
+    task = decide(d.task, Due(d.task.active.seq), 2.0).task
+    task = decide(task, Started(task.active.seq), 2.0).task
+    d = decide(task, Failed(task.active.seq, "disk gone"), 2.0)
+    assert d.task.status is TaskStatus.ROLLBACK_FAILED and d.task.active is None
+    (alarm,) = d.alarms
+    assert (alarm.cursor, alarm.command, alarm.error) == (1, "undo1", "disk gone")
+    resumed = decide(d.task, Resume(), 3.0)
+    assert resumed.messages[0].cursor == 1 and resumed.messages[0].type is StepType.ROLLBACK
+    final = run(resumed.task, ok(), ok())
+    assert final.status is TaskStatus.FAILED
+
+
+def test_stale_and_duplicate_events_change_nothing() -> None:
+    task = submitted(flow(0, 0))
+    seq = task.active.seq
+    started = decide(task, Started(seq), 1.0).task
+    assert decide(started, Started(seq), 1.0).ignored  # redelivered message
+    assert decide(started, Succeeded(seq + 1), 1.0).ignored  # unknown seq
+    done = decide(started, Succeeded(seq), 1.0).task
+    assert decide(done, Succeeded(seq), 1.0).ignored  # late duplicate outcome
+    assert decide(done, Failed(seq, "late"), 1.0).task is done
+
+
+def test_poll_later_keeps_attempt_and_merges_state() -> None:
+    task = submitted(flow(0))
+    task = decide(task, Started(task.active.seq), 1.0).task
+    d = decide(task, PollLater(task.active.seq, 5.0, {"JobId": "j1"}), 1.0)
+    assert d.task.active.phase is Phase.WAITING and d.task.active.due_at == 6.0
+    assert d.task.active.attempt == 1 and d.task.parameters["JobId"] == "j1"
+
+
+def test_cancel_while_running_waits_for_the_attempt_then_compensates_it() -> None:
+    task = run(submitted(flow(0, 0, 0)), ok())
+    task = decide(task, Started(task.active.seq), 1.0).task  # step 1 running
+    task = decide(task, Cancel(), 1.0).task
+    assert task.cancel_requested and task.active.phase is Phase.RUNNING
+    d = decide(task, Succeeded(task.active.seq), 2.0)
+    assert d.messages[0].cursor == 1 and d.messages[0].type is StepType.ROLLBACK
+    final = run(d.task, ok(), ok())
+    assert final.status is TaskStatus.CANCELLED
+
+
+def test_cancel_of_queued_step_skips_it_and_compensates_earlier() -> None:
+    task = run(submitted(flow(0, 0)), ok())  # step 1 queued, never started
+    d = decide(task, Cancel(), 1.0)
+    assert d.messages[0].cursor == 0 and d.task.steps[1].state is StepState.PENDING
+    stale = decide(d.task, Started(task.active.seq), 1.0)
+    assert stale.ignored
+
+
+def test_cancel_pending_task_ends_cancelled_at_once() -> None:
+    d = decide(submitted(flow(0)), Cancel(), 1.0)
+    assert d.task.status is TaskStatus.CANCELLED and not d.messages
+
+
+@pytest.mark.parametrize("status", [TaskStatus.SUCCESS, TaskStatus.FAILED, TaskStatus.ROLLING_BACK])
+def test_cancel_refused_unless_pending_or_running(status: TaskStatus) -> None:
+    with pytest.raises(InvalidAction):
+        decide(replace(submitted(flow(0)), status=status), Cancel(), 1.0)
+
+
+def test_retry_restarts_from_first_undone_step() -> None:
+    task = run(submitted(flow(0, 0, 0, rollbacks=(False, True, True))), ok(), ok(), fail)
+    task = run(task, ok(), ok())  # rollbacks of 2 and 1; step 0 has none
+    assert task.status is TaskStatus.FAILED
+    d = decide(task, Retry(), 5.0)
+    assert d.task.status is TaskStatus.RUNNING and d.messages[0].cursor == 1
+    assert d.task.steps[0].state is StepState.SUCCEEDED
+    assert d.task.steps[2].state is StepState.PENDING and d.task.steps[2].attempts == 0
+    with pytest.raises(InvalidAction):
+        decide(d.task, Retry(), 5.0)
+
+
+def test_resume_only_for_failed_rollback() -> None:
+    with pytest.raises(InvalidAction):
+        decide(submitted(flow(0)), Resume(), 1.0)

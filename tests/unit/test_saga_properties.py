@@ -1,0 +1,105 @@
+"""Properties of the saga for any flow shape and any sequence of step outcomes."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.flows import Action, Flow, StepDef
+from shared.saga import Cancel, Due, Failed, PollLater, Started, Submit, Succeeded, decide
+from shared.states import STOPPED, Phase, StepState, StepType, TaskStatus
+from shared.task import new_task
+
+flows = st.lists(
+    st.tuples(st.integers(0, 2), st.booleans(), st.integers(0, 2)), min_size=1, max_size=6
+).map(
+    lambda specs: Flow(
+        name="p",
+        steps=tuple(
+            StepDef(
+                normal=Action(module="m", command=f"do{i}", retry=retry),
+                rollback=Action(module="m", command=f"undo{i}", retry=rb_retry) if has_rb else None,
+            )
+            for i, (retry, has_rb, rb_retry) in enumerate(specs)
+        ),
+    )
+)
+
+OUTCOMES = ["ok", "fail", "timeout", "poll", "duplicate", "cancel"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(flow=flows, data=st.data())
+def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(flow: Flow, data: st.DataObject) -> None:
+    now = 1000.0
+    decision = decide(new_task("t", flow, {}, now), Submit(), now)
+    task = decision.task
+    completed: list[int] = []  # normal steps that succeeded, in order
+    failed_step: int | None = None
+    compensated: list[int] = []  # rollbacks that succeeded, in order
+    seen_seqs: list[int] = []
+    polls = 0
+
+    for _ in range(500):
+        if task.status in STOPPED:
+            break
+        active = task.active
+        assert active is not None, "a running task always has an outstanding message"
+        now += 1
+        if active.phase is Phase.WAITING:
+            task = decide(task, Due(active.seq), active.due_at or now).task
+            continue
+        outcome = data.draw(st.sampled_from(OUTCOMES))
+        if outcome == "cancel":
+            if task.status in (TaskStatus.PENDING, TaskStatus.RUNNING):
+                task = decide(task, Cancel(), now).task
+            continue
+        if outcome == "duplicate" and seen_seqs:
+            # A replay of an old message never changes anything.
+            stale = decide(task, Started(data.draw(st.sampled_from(seen_seqs))), now)
+            assert stale.ignored or stale.task.active.seq not in seen_seqs
+            continue
+        started = decide(task, Started(active.seq), now)
+        assert not started.ignored and not started.messages
+        task = started.task
+        seen_seqs.append(active.seq)
+        if outcome == "poll" and polls < 5:
+            polls += 1
+            task = decide(task, PollLater(active.seq, 2.0), now).task
+            continue
+        if outcome == "ok":
+            result = decide(task, Succeeded(active.seq, {f"r{active.cursor}": 1}), now)
+            if active.type is StepType.NORMAL:
+                completed.append(active.cursor)
+            else:
+                compensated.append(active.cursor)
+        else:
+            result = decide(task, Failed(active.seq, "x", timed_out=outcome == "timeout"), now)
+            if active.type is StepType.NORMAL and result.task.status is TaskStatus.ROLLING_BACK:
+                failed_step = active.cursor
+        task = result.task
+        # Late duplicate of the message just finished: ignored.
+        assert decide(task, Succeeded(active.seq), now).ignored
+
+    assert task.status in STOPPED, f"not stopped after 500 events: {task.status}"
+    assert task.active is None
+
+    undo_candidates = completed + ([failed_step] if failed_step is not None else [])
+    # A step cancelled between attempts (waiting for a retry or a poll) may have
+    # left partial work, so it is compensated like a failed one.
+    undo_candidates += [i for i, s in enumerate(task.steps) if s.state is StepState.CANCELLED]
+    expected = [i for i in sorted(set(undo_candidates), reverse=True) if flow.steps[i].rollback]
+
+    if task.status is TaskStatus.SUCCESS:
+        assert completed == list(range(len(flow.steps))) and compensated == []
+    elif task.status in (TaskStatus.FAILED, TaskStatus.CANCELLED):
+        assert compensated == expected
+    else:  # ROLLBACK_FAILED: compensation stopped part-way, in the same order
+        assert compensated == expected[: len(compensated)]
+        assert len(compensated) < len(expected)
+
+    # Nothing is emitted once stopped: every step event is stale.
+    for seq in seen_seqs + [task.seq + 1]:
+        for event in (Started(seq), Succeeded(seq), Failed(seq, "late"), Due(seq)):
+            late = decide(task, event, now)
+            assert late.ignored and not late.messages and late.task is task
