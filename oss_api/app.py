@@ -7,12 +7,12 @@ import json
 import logging
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from oss_api import errors
-from oss_api.errors import RequestTooLarge
+from oss_api.errors import MalformedBody, RequestTooLarge
+from oss_api.limits import BodyLimit
 from oss_api.schemas import SubmitRequest, TaskDocument, TaskList
 from shared.runtime import Runtime
 from shared.saga import Cancel, Resume, Retry
@@ -33,16 +33,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.state.runtime = runtime
     errors.install(app)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse(
-                status_code=413,
-                content={"error": f"request body over {settings.max_body_bytes} bytes"},
-            )
-        return await call_next(request)
-
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(_task_routes(runtime))
 
     @app.get("/healthz", tags=["operations"])
@@ -73,7 +64,11 @@ def _task_routes(runtime: Runtime) -> APIRouter:
         response: Response,
         idempotency_key: Annotated[str | None, Header(max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")] = None,
     ) -> TaskDocument:
-        size = len(json.dumps(body.parameters, separators=(",", ":")).encode())
+        try:
+            size = len(json.dumps(body.parameters, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
+        except ValueError:
+            # Python's parser accepts NaN/Infinity; JSON (and PostgreSQL's jsonb) does not.
+            raise MalformedBody("malformed JSON body: NaN and Infinity are not JSON numbers") from None
         if size > settings.max_parameters_bytes:
             raise RequestTooLarge(
                 f"parameters are {size} bytes; the limit is {settings.max_parameters_bytes}"

@@ -20,6 +20,10 @@ class RequestTooLarge(ServiceError):
     status_code = 413
 
 
+class MalformedBody(ServiceError):
+    status_code = 400
+
+
 def _body(status: int, error: str, detail: list | None = None) -> JSONResponse:
     content: dict = {"error": error}
     if detail is not None:

@@ -159,17 +159,19 @@ def _location(source: str, loc: tuple[Any, ...]) -> str:
 def parse_flows(data: Any, source: str = "flows.yaml") -> FlowSet:
     if not isinstance(data, dict):
         raise FlowsError([f"{source}: top level must be a mapping with a 'flows' key"])
+    # Names are checked before the bodies so that both kinds of error are reported together.
+    names = data.get("flows")
+    problems = [
+        f"{source}: flow {name!r}: name must match {NAME}"
+        for name in (names if isinstance(names, dict) else {})
+        if isinstance(name, str) and re.fullmatch(NAME, name) is None
+    ]
     try:
         parsed = _FlowsFile.model_validate(data)
     except ValidationError as exc:
         raise FlowsError(
-            [f"{_location(source, tuple(e['loc']))}: {e['msg']}" for e in exc.errors()]
+            problems + [f"{_location(source, tuple(e['loc']))}: {e['msg']}" for e in exc.errors()]
         ) from exc
-    problems = [
-        f"{source}: flow {name!r}: name must match {NAME}"
-        for name in parsed.flows
-        if re.fullmatch(NAME, name) is None
-    ]
     if problems:
         raise FlowsError(problems)
     flows = {
@@ -179,6 +181,22 @@ def parse_flows(data: Any, source: str = "flows.yaml") -> FlowSet:
     return FlowSet(flows, parsed.modules, source)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys: a second flow of the same name
+    would otherwise silently replace the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_flows(path: Path | str, check_commands: bool = False) -> FlowSet:
     path = Path(path)
     try:
@@ -186,7 +204,7 @@ def load_flows(path: Path | str, check_commands: bool = False) -> FlowSet:
     except OSError as exc:
         raise FlowsError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise FlowsError([f"{path}: not valid YAML: {exc}"]) from exc
     flows = parse_flows(data, str(path))

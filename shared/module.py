@@ -108,8 +108,10 @@ def import_module_object(import_path: str, name: str) -> Module:
     """Import ``import_path`` and return the :class:`Module` called ``name`` in it."""
     try:
         py = importlib.import_module(import_path)
-    except ImportError as exc:
-        raise ModuleError(f"module {name!r}: cannot import {import_path!r}: {exc}") from exc
+    except Exception as exc:  # a broken module file must be reported, not crash the caller
+        raise ModuleError(
+            f"module {name!r}: cannot import {import_path!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     found = [v for v in vars(py).values() if isinstance(v, Module) and v.name == name]
     if not found:
         raise ModuleError(f"module {name!r}: {import_path!r} defines no Module({name!r})")

@@ -9,25 +9,34 @@ from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import FlowSet, load_flows
 from shared.messaging import AsyncflowCelery, CeleryPublisher, make_celery
-from shared.module import Module
-from shared.service import TaskService
-from shared.storage import SqlStore, open_store
+from shared.module import Module, ModuleError
+from shared.service import Publisher, TaskService
+from shared.storage import TaskStore, open_store
 
 log = logging.getLogger(__name__)
 
 
 class Runtime:
-    def __init__(self, settings: Settings, flows: FlowSet | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        flows: FlowSet | None = None,
+        store: TaskStore | None = None,
+        publisher: Publisher | None = None,
+    ) -> None:
+        """``flows``, ``store`` and ``publisher`` replace the configured ones (tests, embedding)."""
         self.settings = settings
         self._flows = flows
+        self._store = store
+        self._publisher = publisher
 
     @cached_property
     def flows(self) -> FlowSet:
         return self._flows or load_flows(self.settings.flows)
 
     @cached_property
-    def store(self) -> SqlStore:
-        return open_store(self.settings.resolved_database_url())
+    def store(self) -> TaskStore:
+        return self._store or open_store(self.settings.resolved_database_url())
 
     @cached_property
     def celery(self) -> AsyncflowCelery:
@@ -35,7 +44,8 @@ class Runtime:
 
     @cached_property
     def service(self) -> TaskService:
-        return TaskService(self.store, CeleryPublisher(self.celery, self.settings), self.flows)
+        publisher = self._publisher or CeleryPublisher(self.celery, self.settings)
+        return TaskService(self.store, publisher, self.flows)
 
     def load_modules(self, names: list[str]) -> dict[str, Module]:
         known = self.flows.module_names()
@@ -45,7 +55,10 @@ class Runtime:
                 f"{self.flows.source}: no flow uses module(s) {', '.join(unknown)}; "
                 f"known modules: {', '.join(sorted(known))}"
             )
-        return {name: self.flows.load_module(name) for name in names}
+        try:
+            return {name: self.flows.load_module(name) for name in names}
+        except ModuleError as exc:
+            raise SystemExit(f"{self.flows.source}: {exc}") from None
 
     def consumer(self, names: list[str]) -> StepConsumer:
         consumer = StepConsumer(self.service, self.load_modules(names), self.settings)

@@ -126,7 +126,15 @@ class TaskService:
                 metrics.ROLLBACKS.labels(message.flow, message.module).inc()
             if message.attempt > 1:
                 metrics.RETRIES.labels(message.module, message.command).inc()
-            self.publisher.publish(message)
+            try:
+                self.publisher.publish(message)
+            except Exception:
+                # The transition is committed; the message is not. The task stays
+                # queued in the database (its truth) until it is published again.
+                log.exception(
+                    "publishing a step message failed; the task stays queued",
+                    extra={"task_id": message.task_id, "step": message.cursor, "seq": message.seq},
+                )
         for alarm in decision.alarms:
             metrics.ALARMS.labels(alarm.flow, alarm.module).inc()
             log.error(
@@ -137,7 +145,10 @@ class TaskService:
                 alarm.error,
                 extra={"task_id": alarm.task_id, "flow": alarm.flow, "step": alarm.cursor},
             )
-            self.publisher.alarm(alarm)
+            try:
+                self.publisher.alarm(alarm)
+            except Exception:
+                log.exception("delivering the alarm failed", extra={"task_id": alarm.task_id})
 
     # --- operator actions ---------------------------------------------------------
 

@@ -53,8 +53,10 @@ class StepRequest(Request):
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-        if isinstance(exc_info.exception, WorkerLostError):
-            self._report_lost(f"worker process lost: {exc_info.exception}")
+        exc = exc_info.exception
+        exc = getattr(exc, "exc", exc)  # billiard wraps it in ExceptionWithTraceback
+        if isinstance(exc, WorkerLostError):
+            self._report_lost(f"worker process lost: {exc}")
 
     def _report_lost(self, reason: str, timed_out: bool = False) -> None:
         try:
@@ -78,6 +80,8 @@ def make_celery(settings: Settings) -> AsyncflowCelery:
         task_reject_on_worker_lost=False,
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=4,
+        # Results are not used, so a killed pool process need not be waited on long.
+        worker_lost_wait=1.0,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         task_default_queue=queue_name("default"),

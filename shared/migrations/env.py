@@ -20,9 +20,11 @@ def run_offline() -> None:
 def run_online() -> None:
     engine = create_engine(url, poolclass=pool.NullPool)
     with engine.connect() as conn:
-        if conn.dialect.name == "postgresql":
+        postgres = conn.dialect.name == "postgresql"
+        if postgres:
             # Several API replicas may start at once: one migrates, the others wait.
             conn.execute(text("SELECT pg_advisory_lock(720461)"))
+            conn.commit()
         try:
             context.configure(
                 connection=conn,
@@ -32,7 +34,8 @@ def run_online() -> None:
             with context.begin_transaction():
                 context.run_migrations()
         finally:
-            if conn.dialect.name == "postgresql":
+            if postgres:
+                conn.rollback()  # a failed migration leaves the transaction aborted
                 conn.execute(text("SELECT pg_advisory_unlock(720461)"))
                 conn.commit()
     engine.dispose()

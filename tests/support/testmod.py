@@ -7,6 +7,8 @@ Parameters read (cursor = step index):
   hang_at: [cursors]           the normal command blocks (its timeout must stop it)
   hang_hard_at: [cursors]      blocks and swallows the soft time limit (only a kill stops it)
   poll: {"cursor": n}          the normal command answers "poll later" n times first
+  hang_first: [cursors]        blocks on the first attempt only
+  fail_if_exists: {"cursor": path}  fails while that file exists
 Every execution is appended to the file named by $TESTMOD_JOURNAL, so tests can
 check what really ran, in which order, besides what the database says.
 """
@@ -45,6 +47,11 @@ def _do(ctx: StepContext) -> dict[str, Any] | PollLater:
                 threading.Event().wait()
             except BaseException:  # a handler that ignores the interrupt
                 continue
+    if ctx.cursor in p.get("hang_first", []) and ctx.attempt == 1:
+        threading.Event().wait()
+    guard = p.get("fail_if_exists", {}).get(key)
+    if guard and os.path.exists(guard):
+        raise RuntimeError(f"{guard} exists")
     if ctx.cursor in p.get("fail_at", []):
         raise RuntimeError(f"forced failure at step {ctx.cursor}")
     if ctx.attempt <= int(p.get("flaky", {}).get(key, 0)):

@@ -1,0 +1,1 @@
+"""Example modules shipped with Asyncflow: resource (quota ledger), mysql (instances), monitor (events)."""

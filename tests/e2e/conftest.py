@@ -1,0 +1,103 @@
+"""Backends for end-to-end tests: the embedded default, PostgreSQL + RabbitMQ, PostgreSQL + Redis."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.conftest import require_service
+from tests.e2e.stack import Stack, unique
+
+PG_USERS = ("postgres", "root")
+BACKENDS = ["embedded", "postgres-rabbitmq", "postgres-redis"]
+
+
+def _reachable(port: int) -> str | None:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return None
+    except OSError as exc:
+        return f"nothing listens on 127.0.0.1:{port} ({exc})"
+
+
+def _pg_admin() -> tuple[psycopg.Connection, str]:
+    problem = _reachable(5432)
+    require_service("PostgreSQL", problem)
+    errors = []
+    for user in PG_USERS:
+        try:
+            return psycopg.connect(f"postgresql://{user}@127.0.0.1:5432/test", autocommit=True), user
+        except psycopg.OperationalError as exc:
+            errors.append(str(exc).strip())
+    require_service("PostgreSQL", "; ".join(errors))
+    raise AssertionError("unreachable")
+
+
+class PostgresDatabase:
+    def __init__(self) -> None:
+        self.admin, user = _pg_admin()
+        self.name = unique("af_e2e")
+        self.admin.execute(f'CREATE DATABASE "{self.name}"')
+        self.url = f"postgresql+psycopg://{user}@127.0.0.1:5432/{self.name}"
+
+    def drop(self) -> None:
+        self.admin.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+        self.admin.close()
+
+
+def _rabbitmq_url() -> tuple[str, str | None]:
+    """A fresh vhost when rabbitmqctl is at hand, so parallel runs don't share queues."""
+    require_service("RabbitMQ", _reachable(5672))
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:
+        return "amqp://guest:guest@127.0.0.1:5672//", None
+    vhost = unique("af_e2e")
+    subprocess.run([ctl, "add_vhost", vhost], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [ctl, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return f"amqp://guest:guest@127.0.0.1:5672/{vhost}", vhost
+
+
+def _drop_vhost(vhost: str | None) -> None:
+    if vhost:
+        subprocess.run(["rabbitmqctl", "delete_vhost", vhost], capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    backend: str = request.param
+    home: Path = tmp_path_factory.mktemp(backend)
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("ASYNCFLOW_")}
+    cleanups = []
+    if backend == "embedded":
+        groups = [["alpha", "beta", "monitor"]]
+    else:
+        db = PostgresDatabase()
+        cleanups.append(db.drop)
+        env["ASYNCFLOW_DATABASE_URL"] = db.url
+        if backend == "postgres-rabbitmq":
+            url, vhost = _rabbitmq_url()
+            cleanups.append(lambda: _drop_vhost(vhost))
+        else:
+            require_service("Redis", _reachable(6379))
+            url = f"redis://127.0.0.1:6379/{random.randint(1, 15)}"
+        env["ASYNCFLOW_BROKER_URL"] = url
+        # Separate consumer processes per module, as deployed.
+        groups = [["alpha"], ["beta", "monitor"]]
+    s = Stack(backend, home, env, groups)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+        for cleanup in reversed(cleanups):
+            cleanup()

@@ -1,0 +1,157 @@
+"""Start Asyncflow's real processes (API, scheduler, workers) for a test session."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+SUPPORT = REPO / "tests" / "support"
+STOPPED = {0, 4, 5, 6}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail with ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Stack:
+    name: str
+    home: Path
+    env: dict[str, str]
+    worker_groups: list[list[str]]
+    port: int = field(default_factory=free_port)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def journal(self) -> Path:
+        return self.home / "journal.jsonl"
+
+    def start(self) -> None:
+        self.env.update(
+            ASYNCFLOW_HOME=str(self.home),
+            ASYNCFLOW_API_PORT=str(self.port),
+            ASYNCFLOW_API_URL=self.url,
+            TESTMOD_JOURNAL=str(self.journal),
+            PYTHONPATH=os.pathsep.join([str(SUPPORT), str(REPO)]),
+        )
+        self.env.setdefault("ASYNCFLOW_FLOWS", str(SUPPORT / "flows.yaml"))
+        self.env.setdefault("ASYNCFLOW_HARD_TIMEOUT_GRACE", "1")
+        self.env.setdefault("ASYNCFLOW_SCHEDULER_TICK", "0.05")
+        self.run_cli("db", "upgrade")
+        self.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
+        self.spawn("api", "api", "--port", str(self.port))
+        self.spawn("scheduler", "scheduler")
+        for group in self.worker_groups:
+            self.spawn("worker-" + "+".join(group), "worker", *group, "-c", "2")
+        wait_for(self._healthy, 30, f"{self.name} API to answer /healthz")
+
+    def spawn(self, key: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.home / f"{key}.log", "ab")  # noqa: SIM115 - owned by the process
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncflow", *args],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.home,
+            start_new_session=True,
+        )
+        self.procs[key] = proc
+        return proc
+
+    def run_cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "asyncflow", *args],
+            env=self.env, capture_output=True, text=True, timeout=timeout, cwd=self.home,
+        )
+
+    def _healthy(self) -> bool:
+        for key, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise AssertionError(f"{key} exited with {proc.returncode}:\n{self.log(key)}")
+        try:
+            return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def log(self, key: str) -> str:
+        path = self.home / f"{key}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    # --- API helpers -------------------------------------------------------------
+
+    def submit(self, flow: str, parameters: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        body = {"flow": flow, "parameters": parameters or {}, **extra}
+        response = httpx.post(self.url + "/api/tasks", json=body, timeout=10)
+        assert response.status_code in (200, 201), response.text
+        return response.json()
+
+    def get(self, task_id: str) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/api/tasks/{task_id}", timeout=10)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def post(self, path: str) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=10)
+
+    def wait_stopped(self, task_id: str, timeout: float = 60) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+
+        def stopped() -> dict[str, Any] | None:
+            last["doc"] = doc = self.get(task_id)
+            return doc if doc["task_status"] in STOPPED else None
+
+        try:
+            return wait_for(stopped, timeout, f"task {task_id} to stop on {self.name}")
+        except AssertionError as exc:
+            logs = "\n".join(f"--- {key}\n{self.log(key)}" for key in self.procs)
+            raise AssertionError(f"{exc}\nlast document: {json.dumps(last.get('doc'), indent=1)}\n{logs}") from None
+
+    def executions(self, task_id: str) -> list[dict[str, Any]]:
+        """What the test modules really ran for ``task_id``, in order."""
+        if not self.journal.exists():
+            return []
+        lines = self.journal.read_text().splitlines()
+        return [e for e in map(json.loads, lines) if e["task"] == task_id]
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:10]}"

@@ -1,0 +1,81 @@
+"""Real databases for the integration and migration tiers.
+
+PostgreSQL runs get a schema of their own (``af_test_<uuid>``) in the ``test``
+database, reached through ``search_path`` in the URL and dropped afterwards, so
+parallel runs and other suites never see each other's rows. When no server
+answers, the tests skip locally and fail under CI=true (see tests/conftest.py).
+
+The helpers are plain functions so tests/migrations can import them too:
+``from tests.integration.conftest import postgres_schema``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+import pytest
+from sqlalchemy import create_engine, delete
+
+from shared.migrate import upgrade
+from shared.storage.schema import attempts, tasks
+from tests.conftest import require_service
+
+PG_HOST = "127.0.0.1:5432"
+PG_DATABASE = "test"
+PG_USERS = ("postgres", "root")
+
+
+def postgres_admin() -> tuple[psycopg.Connection, str]:
+    """An autocommit connection to the test database, and the user that worked."""
+    problems = []
+    for user in PG_USERS:
+        try:
+            conn = psycopg.connect(
+                f"postgresql://{user}@{PG_HOST}/{PG_DATABASE}", autocommit=True, connect_timeout=5
+            )
+        except psycopg.OperationalError as exc:
+            problems.append(f"as {user}: {str(exc).strip()}")
+            continue
+        return conn, user
+    require_service("PostgreSQL", "; ".join(problems))
+    raise AssertionError("require_service returns only when there is no problem")
+
+
+@contextmanager
+def postgres_schema(migrate: bool = True) -> Iterator[tuple[str, str]]:
+    """A fresh schema: yields (SQLAlchemy URL whose search_path is the schema, schema name)."""
+    admin, user = postgres_admin()
+    schema = f"af_test_{uuid.uuid4().hex[:16]}"
+    try:
+        admin.execute(f'CREATE SCHEMA "{schema}"')
+        url = (
+            f"postgresql+psycopg://{user}@{PG_HOST}/{PG_DATABASE}"
+            f"?options=-csearch_path%3D{schema}"
+        )
+        if migrate:
+            upgrade(url)
+        yield url, schema
+    finally:
+        admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        admin.close()
+
+
+def empty_tables(url: str) -> None:
+    """Delete every task and attempt (tests share one migrated schema per run)."""
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(delete(attempts))
+            conn.execute(delete(tasks))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """URL of a migrated PostgreSQL schema, created once per test run."""
+    with postgres_schema(migrate=True) as (url, _schema):
+        yield url

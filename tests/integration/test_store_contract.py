@@ -1,0 +1,301 @@
+"""The TaskStore contract, written once and run on every backend.
+
+SQLite (a file migrated with Alembic), PostgreSQL (a fresh migrated schema per
+run; marked ``postgres``) and the shipped InMemoryStore fake must behave the same.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shared.flows import Action, Flow, StepDef
+from shared.migrate import upgrade
+from shared.saga import Submit, decide
+from shared.states import Phase, StepCode, StepState, StepType, TaskStatus
+from shared.storage import AttemptRecord, InMemoryStore, TaskConflict, TaskFilter, TaskStore
+from shared.storage.sql import PostgresStore, SqliteStore
+from shared.task import Active, Task, new_task
+from tests.integration.conftest import empty_tables
+
+NOW = 1_700_000_000.0
+
+FLOW = Flow(
+    name="provision",
+    steps=(
+        StepDef(
+            normal=Action(module="resource", command="check", timeout=30, retry=2, retry_interval=0.5),
+            rollback=Action(module="monitor", command="report", timeout=60, retry=3, max_retry_interval=8),
+        ),
+        StepDef(normal=Action(module="mysql", command="init", timeout=1800)),  # no rollback
+        StepDef(
+            normal=Action(module="resource", command="deduct", timeout=200, retry=1),
+            rollback=Action(module="resource", command="restore", timeout=200),
+        ),
+    ),
+)
+OTHER_FLOW = Flow(name="other", steps=(StepDef(normal=Action(module="m", command="c")),))
+
+PARAMETERS = {
+    "Cpu": 4,
+    "Memory": 8.5,
+    "Name": "db-ü-名前",
+    "Tags": ["a", 1, None, True, {"nested": [1.25, {"deep": False}]}],
+    "Empty": {},
+    "Big": 2**53,
+}
+
+
+def submitted(
+    task_id: str = "t-1",
+    flow: Flow = FLOW,
+    created_at: float = NOW,
+    user_id: str | None = "alice",
+    priority: int = 7,
+    parameters: dict | None = None,
+) -> Task:
+    """A task as the service stores it at submit: cursor 0, status 1, step 0 queued."""
+    task = new_task(task_id, flow, PARAMETERS if parameters is None else parameters, created_at, priority, user_id)
+    return decide(task, Submit(), created_at).task
+
+
+def waiting(task_id: str, due_at: float, created_at: float = NOW) -> Task:
+    """A task whose outstanding message waits for ``due_at`` (a backoff)."""
+    task = submitted(task_id, created_at=created_at)
+    return replace(
+        task,
+        status=TaskStatus.RUNNING,
+        seq=3,
+        active=Active(3, 0, StepType.NORMAL, 2, Phase.WAITING, due_at=due_at),
+    )
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+    ]
+)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskStore]:
+    backend = request.param
+    if backend == "memory":
+        yield InMemoryStore()
+        return
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'tasks.sqlite'}"
+        upgrade(url)
+        sql: TaskStore = SqliteStore(url)
+    else:
+        url = request.getfixturevalue("postgres_url")
+        empty_tables(url)
+        sql = PostgresStore(url)
+    try:
+        yield sql
+    finally:
+        sql.close()
+
+
+class TestTaskStoreContract:
+    # --- create / get -------------------------------------------------------------
+
+    def test_create_then_get_round_trips_every_field(self, store: TaskStore) -> None:
+        task = submitted()
+        stored, created = store.create(task, NOW)
+        assert created is True
+        assert stored == replace(task, version=1)
+        assert store.get(task.task_id) == replace(task, version=1)
+
+    def test_save_round_trips_every_field_of_a_task_in_any_state(self, store: TaskStore) -> None:
+        task, _ = store.create(submitted(), NOW)
+        busy = replace(
+            task.with_step(
+                0,
+                state=StepState.SUCCEEDED,
+                rollback_state=StepState.FAILED,
+                code=StepCode.TIMED_OUT,
+                message="rollback timed out after 60s",
+                time_start=NOW + 1.5,
+                time_end=NOW + 2.25,
+                rollback_time_start=NOW + 9.0,
+                rollback_time_end=NOW + 10.125,
+                attempts=3,
+                rollback_attempts=4,
+            ).with_step(1, state=StepState.CANCELLED, rollback_state=StepState.SKIPPED, code=StepCode.CANCELLED),
+            status=TaskStatus.ROLLING_BACK,
+            cursor=2,
+            parameters={**PARAMETERS, "InstanceId": "i-123"},
+            message="step 2 (resource.deduct) failed: no quota",
+            started_at=NOW + 1.0,
+            ended_at=NOW + 99.0,
+            cancel_requested=True,
+            seq=9,
+            active=Active(9, 0, StepType.ROLLBACK, 2, Phase.RUNNING, due_at=NOW + 8.5, started_at=NOW + 9.0),
+        )
+        assert store.save(busy, NOW + 10) is True
+        assert store.get(task.task_id) == replace(busy, version=2)
+
+    def test_get_unknown_task_is_none(self, store: TaskStore) -> None:
+        assert store.get("nope") is None
+
+    def test_create_twice_returns_the_stored_task_and_false(self, store: TaskStore) -> None:
+        first, _ = store.create(submitted(parameters={"Cpu": 1}), NOW)
+        again, created = store.create(submitted(parameters={"Cpu": 2}, created_at=NOW + 5), NOW + 5)
+        assert created is False
+        assert again == first
+        assert store.get("t-1") == first
+        assert len(store.list(TaskFilter(limit=100))) == 1
+
+    def test_create_same_id_for_another_user_is_a_conflict(self, store: TaskStore) -> None:
+        store.create(submitted(user_id="alice"), NOW)
+        with pytest.raises(TaskConflict):
+            store.create(submitted(user_id="bob"), NOW + 1)
+        with pytest.raises(TaskConflict):
+            store.create(submitted(user_id=None), NOW + 1)
+        assert store.get("t-1").user_id == "alice"  # type: ignore[union-attr]
+
+    def test_create_same_id_for_another_flow_is_a_conflict(self, store: TaskStore) -> None:
+        store.create(submitted(), NOW)
+        with pytest.raises(TaskConflict):
+            store.create(submitted(flow=OTHER_FLOW), NOW + 1)
+        assert store.get("t-1").flow == "provision"  # type: ignore[union-attr]
+
+    # --- save: compare-and-set on the version ---------------------------------------
+
+    def test_save_with_the_current_version_writes_and_bumps_the_version(self, store: TaskStore) -> None:
+        task, _ = store.create(submitted(), NOW)
+        assert task.version == 1
+        assert store.save(replace(task, status=TaskStatus.RUNNING, started_at=NOW + 1), NOW + 1) is True
+        stored = store.get(task.task_id)
+        assert stored is not None
+        assert (stored.version, stored.status, stored.started_at) == (2, TaskStatus.RUNNING, NOW + 1)
+        assert store.save(replace(stored, message="second"), NOW + 2) is True
+        assert store.get(task.task_id).version == 3  # type: ignore[union-attr]
+
+    def test_save_with_a_stale_version_writes_nothing(self, store: TaskStore) -> None:
+        task, _ = store.create(submitted(), NOW)
+        assert store.save(replace(task, message="winner"), NOW + 1) is True
+        before = store.get(task.task_id)
+        attempt = AttemptRecord(task.task_id, 1, 0, StepType.NORMAL, 1, "resource", "check", started_at=NOW)
+        assert store.save(replace(task, message="loser", status=TaskStatus.FAILED), NOW + 2, attempt) is False
+        assert store.get(task.task_id) == before
+        assert before is not None and before.message == "winner" and before.version == 2
+        assert store.attempts(task.task_id) == []
+
+    def test_save_of_an_unknown_task_writes_nothing(self, store: TaskStore) -> None:
+        assert store.save(replace(submitted("ghost"), version=1), NOW) is False
+        assert store.get("ghost") is None
+
+    def test_concurrent_saves_of_one_version_have_exactly_one_winner(self, store: TaskStore) -> None:
+        writers = 8
+        task, _ = store.create(submitted(), NOW)
+        for round_ in range(3):
+            base = store.get(task.task_id)
+            assert base is not None and base.version == round_ + 1
+            barrier = threading.Barrier(writers)
+            results: dict[int, bool] = {}
+            errors: list[BaseException] = []
+
+            def write(i: int, base: Task = base, barrier: threading.Barrier = barrier) -> None:
+                try:
+                    barrier.wait(timeout=30)
+                    results[i] = store.save(replace(base, message=f"writer {i}"), NOW + i)
+                except BaseException as exc:  # reported below, with the thread's traceback
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert not errors, errors
+            assert len(results) == writers
+            winners = [i for i, ok in results.items() if ok]
+            assert len(winners) == 1, results
+            stored = store.get(task.task_id)
+            assert stored is not None
+            assert stored.version == base.version + 1
+            assert stored.message == f"writer {winners[0]}"
+
+    # --- attempts ---------------------------------------------------------------------
+
+    def test_attempt_records_are_inserted_then_updated(self, store: TaskStore) -> None:
+        task, _ = store.create(submitted(), NOW)
+        first = AttemptRecord(task.task_id, 1, 0, StepType.NORMAL, 1, "resource", "check", started_at=NOW + 1)
+        assert store.save(replace(task, status=TaskStatus.RUNNING), NOW + 1, first)
+        assert store.attempts(task.task_id) == [first]
+
+        task = store.get(task.task_id)
+        assert task is not None
+        finished = AttemptRecord(
+            task.task_id, 1, 0, StepType.NORMAL, 1, "resource", "check",
+            ended_at=NOW + 2, outcome="failed", error="RuntimeError: boom",
+        )
+        assert store.save(replace(task, message="retrying"), NOW + 2, finished)
+        assert store.attempts(task.task_id) == [replace(finished, started_at=NOW + 1)]
+
+        task = store.get(task.task_id)
+        assert task is not None
+        rollback = AttemptRecord(task.task_id, 2, 0, StepType.ROLLBACK, 1, "monitor", "report", started_at=NOW + 3)
+        assert store.save(task, NOW + 3, rollback)
+        assert store.attempts(task.task_id) == [replace(finished, started_at=NOW + 1), rollback]
+        assert store.attempts("other") == []
+
+    # --- list -----------------------------------------------------------------------------
+
+    def test_list_is_newest_first_and_filters_by_flow_status_user_and_limit(self, store: TaskStore) -> None:
+        rows = [
+            ("a", FLOW, "alice", TaskStatus.PENDING),
+            ("b", OTHER_FLOW, "bob", TaskStatus.RUNNING),
+            ("c", FLOW, "bob", TaskStatus.SUCCESS),
+            ("d", OTHER_FLOW, "alice", TaskStatus.RUNNING),
+            ("e", FLOW, None, TaskStatus.RUNNING),
+        ]
+        for i, (task_id, flow, user, status) in enumerate(rows):
+            task, _ = store.create(submitted(task_id, flow=flow, user_id=user, created_at=NOW + i), NOW + i)
+            if status is not TaskStatus.PENDING:
+                assert store.save(replace(task, status=status), NOW + i)
+
+        def ids(**where: object) -> list[str]:
+            return [t.task_id for t in store.list(TaskFilter(**where))]  # type: ignore[arg-type]
+
+        assert ids() == ["e", "d", "c", "b", "a"]
+        assert ids(flow="provision") == ["e", "c", "a"]
+        assert ids(flow="nope") == []
+        assert ids(status=TaskStatus.RUNNING) == ["e", "d", "b"]
+        assert ids(status=TaskStatus.FAILED) == []
+        assert ids(user_id="alice") == ["d", "a"]
+        assert ids(user_id="bob", status=TaskStatus.SUCCESS) == ["c"]
+        assert ids(flow="other", user_id="alice", status=TaskStatus.RUNNING) == ["d"]
+        assert ids(limit=2) == ["e", "d"]
+        assert ids(flow="provision", limit=1) == ["e"]
+        assert store.list(TaskFilter())[0] == store.get("e")
+
+    # --- due -------------------------------------------------------------------------------
+
+    def test_due_returns_only_waiting_messages_whose_time_has_come(self, store: TaskStore) -> None:
+        store.create(waiting("early", due_at=NOW + 10), NOW)
+        store.create(waiting("on-time", due_at=NOW + 20, created_at=NOW + 1), NOW + 1)
+        store.create(waiting("later", due_at=NOW + 30, created_at=NOW + 2), NOW + 2)
+        store.create(submitted("queued", created_at=NOW + 3), NOW + 3)  # queued, due_at = NOW + 3
+        done, _ = store.create(submitted("finished", created_at=NOW + 4), NOW + 4)
+        store.save(replace(done, status=TaskStatus.SUCCESS, active=None, ended_at=NOW + 5), NOW + 5)
+
+        assert store.due(NOW + 5, 100) == []
+        assert store.due(NOW + 10, 100) == [("early", 3)]
+        assert sorted(store.due(NOW + 20, 100)) == [("early", 3), ("on-time", 3)]
+        assert sorted(store.due(NOW + 1000, 100)) == [("early", 3), ("later", 3), ("on-time", 3)]
+        assert len(store.due(NOW + 1000, 2)) == 2
+
+        # Once published (queued), a message is no longer due.
+        early = store.get("early")
+        assert early is not None and early.active is not None
+        store.save(replace(early, active=replace(early.active, phase=Phase.QUEUED)), NOW + 11)
+        assert sorted(store.due(NOW + 1000, 100)) == [("later", 3), ("on-time", 3)]
+
+    def test_ping(self, store: TaskStore) -> None:
+        store.ping()
