@@ -1,7 +1,7 @@
 """Database plumbing shared by the example modules: one engine per URL and process.
 
-On SQLite several worker processes write the same file, so connections use WAL
-and a busy timeout, and write transactions start with ``BEGIN IMMEDIATE``.
+On SQLite several worker processes write the same file: engines come from
+:func:`shared.sqlite.sqlite_engine`.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
-from sqlalchemy import Connection, Engine, MetaData, create_engine, event, make_url, text
+from sqlalchemy import Connection, Engine, MetaData, create_engine, make_url, text
 
 from shared.config import Settings
+from shared.sqlite import read_only_options, sqlite_engine
 
-_READ_ONLY = "asyncflow_module_read_only"
 # Any constant works; it only has to be the same in every process that creates tables.
 _DDL_LOCK_KEY = 0x41_46_4D_4F_44  # "AFMOD"
 
@@ -54,7 +54,7 @@ def writing(url: str) -> Iterator[Connection]:
 def reading(url: str) -> Iterator[Connection]:
     """A read transaction; on SQLite it does not take the write lock."""
     with engine(url).connect() as conn:
-        conn.execution_options(**{_READ_ONLY: True})
+        conn.execution_options(**read_only_options())
         with conn.begin():
             yield conn
 
@@ -117,30 +117,8 @@ def _forget_inherited_engines() -> None:
 
 def _create(url: str) -> Engine:
     if make_url(url).get_backend_name() == "sqlite":
-        return _sqlite_engine(url)
+        return sqlite_engine(url)
     return create_engine(url, pool_pre_ping=True)
-
-
-def _sqlite_engine(url: str) -> Engine:
-    eng = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-
-    @event.listens_for(eng, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        # pysqlite would start transactions lazily on its own; let "begin" below decide.
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA busy_timeout=30000")
-        cur.close()
-
-    @event.listens_for(eng, "begin")
-    def _on_begin(conn: Connection) -> None:
-        # A deferred transaction that later writes gets "database is locked" at
-        # once instead of waiting; writers therefore take the lock up front.
-        read_only = conn.get_execution_options().get(_READ_ONLY, False)
-        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
-
-    return eng
 
 
 def _ensure_sqlite_directory(url: str) -> None:

@@ -8,12 +8,11 @@ at once; and ``polling_interval`` is honoured instead of being handed to
 
 from __future__ import annotations
 
-from typing import Any
-
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import sqlalchemy as sqla
-from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
+
+from shared.sqlite import sqlite_engine
 
 ALIAS = "asyncflow_sqlite"
 SCHEME = "sqla+sqlite"
@@ -21,18 +20,8 @@ SCHEME = "sqla+sqlite"
 
 class Channel(sqla.Channel):
     def _engine_from_config(self) -> Engine:
-        url = self.connection.client.hostname
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-
-        @event.listens_for(engine, "connect")
-        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=30000")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.close()
-
-        return engine
+        # kombu issues its own BEGIN IMMEDIATE when it takes a message.
+        return sqlite_engine(self.connection.client.hostname, immediate_writes=False)
 
 
 class Transport(sqla.Transport):

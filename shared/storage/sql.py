@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, insert, select, update
+from sqlalchemy import Connection, Engine, create_engine, insert, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
+from shared.sqlite import read_only_options, sqlite_engine
 from shared.states import Phase, StepType
 from shared.storage.base import (
     AttemptRecord,
@@ -44,7 +45,7 @@ class SqlStore(TaskStore):
         try:
             with self.engine.connect() as conn:
                 if read_only:
-                    conn = conn.execution_options(asyncflow_read_only=True)
+                    conn = conn.execution_options(**read_only_options())
                 with conn.begin():
                     yield conn
         except IntegrityError:
@@ -158,34 +159,10 @@ def _attempt_row(a: AttemptRecord) -> dict[str, Any]:
 
 
 class SqliteStore(SqlStore):
-    """WAL, a busy timeout and BEGIN IMMEDIATE: several processes write one file."""
+    """Several processes (API, scheduler, workers) write one file: see shared.sqlite."""
 
     def _make_engine(self, url: str) -> Engine:
         return sqlite_engine(url)
-
-
-def sqlite_engine(url: str) -> Engine:
-    engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        # Let SQLAlchemy's begin event issue BEGIN itself (pysqlite would defer it).
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA busy_timeout=30000")
-        cur.execute("PRAGMA synchronous=NORMAL")
-        cur.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: Connection) -> None:
-        # Writers take the lock up front: a deferred transaction that later writes
-        # fails with "database is locked" instead of waiting for busy_timeout.
-        # Readers stay deferred so that WAL lets them run beside a writer.
-        read_only = conn.get_execution_options().get("asyncflow_read_only", False)
-        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
-
-    return engine
 
 
 class PostgresStore(SqlStore):

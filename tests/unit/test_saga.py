@@ -87,7 +87,7 @@ def test_failure_rolls_back_failed_step_then_earlier_in_reverse() -> None:
     task = run(submitted(flow(0, 0, 0)), ok(), ok(), fail)
     assert task.status is TaskStatus.ROLLING_BACK and task.cursor == 2
     assert task.steps[2].state is StepState.FAILED and task.steps[2].message == "boom"
-    assert "step 2 (m.do2) failed: boom" == task.message
+    assert task.message == "step 2 (m.do2) failed: boom"
     order = []
     while task.active:
         order.append((task.active.cursor, task.active.type))
