@@ -28,7 +28,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy import JSON, Column, Float, Integer, MetaData, Row, String, Table, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from modules import _db
+from modules import _db, _drill
 from shared.config import Settings, load_settings
 from shared.module import Module, StepContext
 
@@ -84,7 +84,7 @@ def start(settings: Settings) -> None:
     _config(settings)
 
 
-@module.command("report_event")
+@_drill.command(module, "report_event")
 def report_event(ctx: StepContext) -> dict[str, Any]:
     cfg = _config(ctx.settings)
     event = _record(cfg.url, _event_row(ctx))

@@ -55,7 +55,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
-from modules import _db
+from modules import _db, _drill
 from shared.config import Settings, load_settings
 from shared.module import Module, PermanentError, StepContext
 
@@ -292,7 +292,7 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
-@module.command("init_instance")
+@_drill.command(module, "init_instance")
 def init_instance(ctx: StepContext) -> dict[str, Any]:
     name = instance_name(ctx.parameters, ctx.task_id)
     cfg = _config(ctx.settings)
@@ -346,7 +346,7 @@ def _same_server(cfg: _Config, entry: Row[Any]) -> None:
         )
 
 
-@module.command("clean_instance")
+@_drill.command(module, "clean_instance")
 def clean_instance(ctx: StepContext) -> dict[str, Any]:
     """Rollback of init_instance: removes this task's instance, and nothing else."""
     try:
@@ -364,7 +364,7 @@ def clean_instance(ctx: StepContext) -> dict[str, Any]:
     return {}
 
 
-@module.command("check_instance")
+@_drill.command(module, "check_instance")
 def check_instance(ctx: StepContext) -> dict[str, Any]:
     name = _named(ctx.parameters)
     entry = _lookup(_config(ctx.settings).url, name)
@@ -373,7 +373,7 @@ def check_instance(ctx: StepContext) -> dict[str, Any]:
     return {"ReservationId": entry.task_id}
 
 
-@module.command("drop_instance")
+@_drill.command(module, "drop_instance")
 def drop_instance(ctx: StepContext) -> dict[str, Any]:
     name = _named(ctx.parameters)
     cfg = _config(ctx.settings)

@@ -39,7 +39,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
-from modules import _db
+from modules import _db, _drill
 from shared.config import Settings, load_settings
 from shared.module import Module, PermanentError, StepContext
 
@@ -159,7 +159,7 @@ def _shortages(conn: Connection, amounts: Mapping[str, int]) -> list[str]:
     return problems
 
 
-@module.command("check_resource")
+@_drill.command(module, "check_resource")
 def check_resource(ctx: StepContext) -> dict[str, Any]:
     amounts = _requested(ctx.parameters)
     with _db.reading(_config(ctx.settings).url) as conn:
@@ -169,7 +169,7 @@ def check_resource(ctx: StepContext) -> dict[str, Any]:
     return {"ResourceChecked": True}
 
 
-@module.command("deduct_resource")
+@_drill.command(module, "deduct_resource")
 def deduct_resource(ctx: StepContext) -> dict[str, Any]:
     amounts = _requested(ctx.parameters)
     url = _config(ctx.settings).url
@@ -203,14 +203,14 @@ def _deduct(conn: Connection, reservation: str, amounts: Mapping[str, int]) -> N
             raise PermanentError("; ".join(_shortages(conn, {name: wanted})) or f"cannot deduct {name}")
 
 
-@module.command("restore_resource")
+@_drill.command(module, "restore_resource")
 def restore_resource(ctx: StepContext) -> dict[str, Any]:
     """Rollback of deduct_resource: gives back what the ledger says this task took."""
     _restore(_config(ctx.settings).url, ctx.task_id)
     return {}
 
 
-@module.command("release_reservation")
+@_drill.command(module, "release_reservation")
 def release_reservation(ctx: StepContext) -> dict[str, Any]:
     """Gives back the reservation named by Parameters["ReservationId"] (deprovisioning)."""
     reservation = ctx.parameters.get("ReservationId")

@@ -45,7 +45,7 @@ class Stack:
     name: str
     home: Path
     env: dict[str, str]
-    worker_groups: list[list[str]]
+    worker_groups: list[list[str]] | None  # None: everything through `asyncflow up`
     port: int = field(default_factory=free_port)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -68,6 +68,10 @@ class Stack:
         self.env.setdefault("ASYNCFLOW_FLOWS", str(SUPPORT / "flows.yaml"))
         self.env.setdefault("ASYNCFLOW_HARD_TIMEOUT_GRACE", "1")
         self.env.setdefault("ASYNCFLOW_SCHEDULER_TICK", "0.05")
+        if self.worker_groups is None:
+            self.spawn("up", "up", "--port", str(self.port))
+            wait_for(self._healthy, 60, f"{self.name} API to answer /healthz")
+            return
         self.run_cli("db", "upgrade")
         self.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
         self.spawn("api", "api", "--port", str(self.port))
@@ -111,7 +115,7 @@ class Stack:
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
