@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -37,7 +38,7 @@ def up(port: int | None) -> None:
     from asyncflow.serve import run_all
 
     settings = _settings()
-    flows = _load(settings.flows)
+    flows = _load(settings.flows, check_commands=True)
     sys.exit(run_all(settings, port or settings.api_port, sorted(flows.module_names())))
 
 
@@ -61,8 +62,10 @@ def worker(modules: tuple[str, ...], concurrency: int | None) -> None:
     from asyncflow.serve import run_worker
 
     settings = _settings()
-    _load(settings.flows)
-    run_worker(settings, list(modules), concurrency or settings.worker_concurrency)
+    try:
+        run_worker(settings, list(modules), concurrency or settings.worker_concurrency)
+    except FlowsError as exc:
+        _fail(exc)
 
 
 @main.command()
@@ -181,6 +184,10 @@ def _load(path: Path, check_commands: bool = False):  # type: ignore[no-untyped-
     try:
         return load_flows(path, check_commands=check_commands)
     except FlowsError as exc:
-        for problem in exc.problems:
-            click.echo(problem, err=True)
-        raise SystemExit(2) from None
+        _fail(exc)
+
+
+def _fail(exc: FlowsError) -> NoReturn:
+    for problem in exc.problems:
+        click.echo(problem, err=True)
+    raise SystemExit(2) from None

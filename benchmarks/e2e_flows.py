@@ -13,8 +13,12 @@ latency = time_end - time_create of each task.
 Both modes: per-step dispatch latency from the attempt log (previous attempt's
 ended_at -> next attempt's started_at; first step: time_create -> started_at).
 
+Each run is isolated: a fresh ASYNCFLOW_HOME, a fresh PostgreSQL database, a
+RabbitMQ vhost of its own (or an empty Redis db from 9 up), all removed at the end.
+
 It reports, it does not judge: the exit status is non-zero only when a flow did
-not succeed (1), the run timed out (2) or the stack could not be set up (3).
+not succeed (1), the run timed out (2), the stack could not be set up or one of
+its processes died (3), or the run was interrupted (130).
 
     .venv/bin/python benchmarks/e2e_flows.py --backend embedded --flows 200
     .venv/bin/python benchmarks/e2e_flows.py --backend postgres-rabbitmq --flows 500
@@ -314,7 +318,10 @@ def free_port() -> int:
 
 
 class Stack:
-    def __init__(self, home: Path, backend: Backend, concurrency: int, log_level: str | None) -> None:
+    def __init__(
+        self, home: Path, backend: Backend, concurrency: int, log_level: str | None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.home = home
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -331,6 +338,7 @@ class Stack:
         if log_level:
             env["ASYNCFLOW_LOG_LEVEL"] = log_level
         env.update(backend.env)
+        env.update(extra_env or {})
         self.env = env
         self.concurrency = concurrency
 
@@ -640,6 +648,8 @@ def print_report(summary: dict[str, Any]) -> None:
         print(f"            {note}")
     mode = f"latency, {cfg['rate']:g} flows/s open loop" if cfg["rate"] else f"throughput, {cfg['clients']} HTTP clients"
     print(f"run       : {cfg['flows']} flows, mode {mode}, worker `alpha beta -c {cfg['concurrency']}`")
+    if cfg["extra_env"]:
+        print(f"extra env : {' '.join(cfg['extra_env'])}")
     print(f"warm-up   : 1 flow, {summary['warmup_ms']:.1f} ms submit->done")
     print()
     s = summary["submit"]
@@ -701,6 +711,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds for submitting and finishing (default 600)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of the text report")
     p.add_argument("--log-level", default=None, help="ASYNCFLOW_LOG_LEVEL for the processes (default: theirs)")
+    p.add_argument("--env", dest="extra_env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for the processes, e.g. ASYNCFLOW_EMBEDDED_POLL_INTERVAL=0.01")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (process logs) even on success")
     p.add_argument("--postgres-admin-url", default=None,
                    help="libpq URL to create/drop the database (default postgres@ then root@127.0.0.1:5432)")
@@ -708,6 +720,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="use this existing vhost (its asyncflow.* queues are purged) instead of a fresh one")
     p.add_argument("--redis-db", type=int, default=None, help="Redis db (default: first empty one from 9 up)")
     args = p.parse_args(argv)
+    for item in args.extra_env:
+        if "=" not in item:
+            p.error(f"--env wants KEY=VALUE, got {item!r}")
     if args.flows < 1 or args.concurrency < 1 or args.clients < 1 or (args.rate is not None and args.rate <= 0):
         p.error("--flows, --concurrency, --clients and --rate must be positive")
     return args
@@ -736,7 +751,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         log(f"backend {args.backend}: setting up (home {home})")
         backend = make_backend(args)
-        stack = Stack(home, backend, args.concurrency, args.log_level)
+        extra_env = dict(item.split("=", 1) for item in args.extra_env)
+        stack = Stack(home, backend, args.concurrency, args.log_level, extra_env)
         stack.start()
         stack.wait_healthy(60)
         api = Api(stack.url)
@@ -774,6 +790,7 @@ def run(args: argparse.Namespace) -> int:
             "config": {
                 "backend": args.backend, "flows": args.flows, "concurrency": args.concurrency,
                 "rate": args.rate, "clients": args.clients, "timeout": args.timeout,
+                "extra_env": args.extra_env,
             },
             "warmup_ms": round(warm * 1000, 2),
             "timed_out": timed_out,
@@ -802,6 +819,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print_report(summary)
         if timed_out:
+            keep = True
             return 2
         if sub.errors or results["succeeded"] != args.flows:
             log(f"not every flow succeeded: {results['statuses']}, {len(sub.errors)} submit errors "

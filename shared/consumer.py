@@ -14,7 +14,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from shared import metrics
 from shared.config import Settings
-from shared.module import Module, PermanentError, PollLater, StepContext
+from shared.module import Handler, Module, ModuleError, PermanentError, PollLater, StepContext
 from shared.saga import Failed, Started, Succeeded
 from shared.saga import PollLater as PollLaterEvent
 from shared.service import TaskNotFound, TaskService
@@ -49,8 +49,6 @@ class StepConsumer:
             return
 
         task = decision.task
-        module = self.modules[message.module]
-        module.start(self.settings)
         ctx = StepContext(
             task_id=task.task_id,
             flow=task.flow,
@@ -63,7 +61,14 @@ class StepConsumer:
         )
         started = self.clock()
         try:
-            outcome = module.handler(message.command)(ctx)
+            handler = self._handler(message)
+        except ModuleError as exc:
+            # A message for a module or command this worker does not serve: retrying
+            # elsewhere would not help, compensate.
+            self.service.apply(message.task_id, Failed(message.seq, str(exc), permanent=True))
+            return
+        try:
+            outcome = handler(ctx)
         except SoftTimeLimitExceeded:
             event = Failed(message.seq, f"timed out after {message.timeout:g}s", timed_out=True)
         except PermanentError as exc:
@@ -89,7 +94,14 @@ class StepConsumer:
         metrics.STEP_SECONDS.labels(message.module, message.command, type(event).__name__).observe(
             self.clock() - started
         )
-        self.service.apply(message.task_id, event)
+        self.service.apply(message.task_id, event, known=task)
+
+    def _handler(self, message: StepMessage) -> Handler:
+        module = self.modules.get(message.module)
+        if module is None:
+            raise ModuleError(f"this worker does not serve module {message.module!r}")
+        module.start(self.settings)
+        return module.handler(message.command)
 
     def lost(self, message: StepMessage, reason: str, timed_out: bool = False) -> None:
         """The process running ``message`` died or was killed: a failed attempt."""

@@ -123,11 +123,14 @@ class FlowSet:
     def load_module(self, name: str) -> Module:
         return import_module_object(self.import_path(name), name)
 
-    def check_commands(self) -> None:
-        """Import every module and check that it provides each command used."""
+    def check_commands(self, only: Iterable[str] | None = None) -> dict[str, Module]:
+        """Import the modules (all, or ``only``) and check each provides the commands used.
+
+        Returns the loaded modules; raises FlowsError listing every problem.
+        """
         problems: list[str] = []
         loaded: dict[str, Module | None] = {}
-        for name in sorted(self.module_names()):
+        for name in sorted(self.module_names() if only is None else set(only)):
             try:
                 loaded[name] = self.load_module(name)
             except ModuleError as exc:
@@ -144,6 +147,7 @@ class FlowSet:
                     )
         if problems:
             raise FlowsError(problems)
+        return {name: module for name, module in loaded.items() if module is not None}
 
 
 def _location(source: str, loc: tuple[Any, ...]) -> str:

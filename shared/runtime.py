@@ -7,9 +7,9 @@ from functools import cached_property
 
 from shared.config import Settings
 from shared.consumer import StepConsumer
-from shared.flows import FlowSet, load_flows
+from shared.flows import FlowsError, FlowSet, load_flows
 from shared.messaging import AsyncflowCelery, CeleryPublisher, make_celery
-from shared.module import Module, ModuleError
+from shared.module import Module
 from shared.service import Publisher, TaskService
 from shared.storage import TaskStore, open_store
 
@@ -48,17 +48,17 @@ class Runtime:
         return TaskService(self.store, publisher, self.flows)
 
     def load_modules(self, names: list[str]) -> dict[str, Module]:
+        """Import ``names`` and check they provide every command the flows use."""
         known = self.flows.module_names()
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise SystemExit(
-                f"{self.flows.source}: no flow uses module(s) {', '.join(unknown)}; "
-                f"known modules: {', '.join(sorted(known))}"
+            raise FlowsError(
+                [
+                    f"{self.flows.source}: no flow uses module(s) {', '.join(unknown)}; "
+                    f"known modules: {', '.join(sorted(known))}"
+                ]
             )
-        try:
-            return {name: self.flows.load_module(name) for name in names}
-        except ModuleError as exc:
-            raise SystemExit(f"{self.flows.source}: {exc}") from None
+        return self.flows.check_commands(only=names)
 
     def consumer(self, names: list[str]) -> StepConsumer:
         consumer = StepConsumer(self.service, self.load_modules(names), self.settings)

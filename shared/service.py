@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any, Protocol
 
 from shared import metrics
@@ -95,19 +96,29 @@ class TaskService:
 
     # --- transitions ---------------------------------------------------------
 
-    def apply(self, task_id: str, event: Event) -> Decision:
-        """Decide ``event`` against the stored task and persist the result atomically."""
+    def apply(self, task_id: str, event: Event, known: Task | None = None) -> Decision:
+        """Decide ``event`` against the stored task and persist the result atomically.
+
+        ``known`` is a copy the caller just stored (a consumer between the start
+        and the outcome of an attempt): it saves a read, and if it is out of date
+        the compare-and-set fails and the task is read again.
+        """
         for _ in range(MAX_CAS_ROUNDS):
-            task = self.store.get(task_id)
+            from_copy = known is not None
+            task = known if known is not None else self.store.get(task_id)
+            known = None
             if task is None:
                 raise TaskNotFound(f"no task {task_id!r}")
             now = self.clock()
             decision = decide(task, event, now)
             if decision.ignored or decision.task is task:
+                if from_copy:
+                    continue  # judge a no-op against the stored task, not a copy
                 return decision
             if self.store.save(decision.task, now, _attempt_record(task, event, now)):
                 self._after(task, decision)
-                return decision
+                # What is stored now, version included, for the caller's next ``known``.
+                return replace(decision, task=replace(decision.task, version=task.version + 1))
         raise RuntimeError(f"task {task_id}: gave up after {MAX_CAS_ROUNDS} concurrent updates")
 
     def _after(self, before: Task, decision: Decision) -> None:
