@@ -12,9 +12,10 @@ import time
 
 from shared.config import Settings
 from shared.logs import setup_logging
-from shared.messaging import queue_name
+from shared.messaging import bound_shutdown, queue_name
 from shared.migrate import upgrade
 from shared.runtime import Runtime
+from shared.storage import StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ def run_worker(settings: Settings, modules: list[str], concurrency: int) -> None
     consumer = runtime.consumer(modules)
     for module in consumer.modules.values():
         module.start(settings)  # fail now, not on the first message
+    bound_shutdown(runtime.celery, settings.shutdown_grace)
     queues = ",".join(queue_name(m) for m in modules)
     log.info("consuming %s with %d processes", queues, concurrency)
     runtime.celery.worker_main(
@@ -55,17 +57,22 @@ def run_worker(settings: Settings, modules: list[str], concurrency: int) -> None
 
 
 def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> None:
-    """Publishes waiting messages when due (retry backoff, poll later)."""
+    """Timers and governance: publishes waiting messages when due (retry backoff,
+    poll later), re-publishes queued messages nobody started, and fails attempts
+    that passed their deadline."""
     setup_logging(settings.log_level, "scheduler")
     stop = stop or _stop_on_signals()
     service = Runtime(settings).service
     log.info("scheduler started, tick %.3fs", settings.scheduler_tick)
     while not stop.is_set():
         try:
-            released = service.dispatch_due()
+            released = service.sweep()
+        except StorageUnavailable as exc:
+            log.warning("sweep skipped, database unavailable: %s", exc)
+            released = 0
         except Exception:
-            # A database blip must not kill the loop; anything persistent shows in the log.
-            log.exception("dispatching due messages failed")
+            # A bug in one task must not stop the timers of all the others.
+            log.exception("sweep failed")
             released = 0
         if not released:
             stop.wait(settings.scheduler_tick)
@@ -105,7 +112,7 @@ def run_all(settings: Settings, port: int, modules: list[str]) -> int:
     for proc in children.values():
         if proc.poll() is None:
             proc.terminate()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + settings.shutdown_grace + 15
     for proc in children.values():
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -37,6 +37,18 @@ class Settings(BaseSettings):
     # Seconds past a step's timeout before its process is killed outright.
     hard_timeout_grace: float = 5.0
     scheduler_tick: float = 0.2
+    # Governance sweeps (SPEC §4): a queued message nobody started is published
+    # again after requeue_after; an attempt with no outcome by timeout +
+    # expire_grace counts as failed; a failed publish is retried after publish_retry.
+    requeue_after: float = 30.0
+    expire_grace: float = 15.0
+    publish_retry: float = 2.0
+    # How long a consumer keeps trying to store a finished attempt's outcome
+    # while the database is down, before leaving it to the expiry sweep.
+    outcome_patience: float = 60.0
+    # SIGTERM: in-flight attempts get this long to finish, then are recorded as
+    # lost (so they run again elsewhere) and the worker stops.
+    shutdown_grace: float = 30.0
     # "module.command" that receives alarms (rollback failed); empty = log only.
     alert_command: str = "monitor.report_event"
     # Poll interval of the embedded (SQLite) broker.

@@ -15,10 +15,11 @@ from celery.exceptions import SoftTimeLimitExceeded
 from shared import metrics
 from shared.config import Settings
 from shared.module import Handler, Module, ModuleError, PermanentError, PollLater, StepContext
-from shared.saga import Failed, Started, Succeeded
+from shared.saga import Event, Failed, Started, Succeeded
 from shared.saga import PollLater as PollLaterEvent
 from shared.service import TaskNotFound, TaskService
-from shared.task import Alarm, StepMessage
+from shared.storage import StorageUnavailable
+from shared.task import Alarm, StepMessage, Task
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,30 @@ class StepConsumer:
         metrics.STEP_SECONDS.labels(message.module, message.command, type(event).__name__).observe(
             self.clock() - started
         )
-        self.service.apply(message.task_id, event, known=task)
+        self._store_outcome(message, event, task)
+
+    def _store_outcome(self, message: StepMessage, event: Event, known: Task) -> None:
+        """Record what the handler did; wait out a database outage, within bounds.
+
+        Giving up is safe: the attempt then expires at its deadline and runs again
+        (handlers are idempotent), but waiting keeps the work that was done.
+        """
+        deadline = self.clock() + self.settings.outcome_patience
+        pause = 0.5
+        while True:
+            try:
+                self.service.apply(message.task_id, event, known=known)
+                return
+            except StorageUnavailable as exc:
+                if self.clock() + pause > deadline:
+                    log.error(
+                        "outcome not stored, database still unavailable; the attempt will expire "
+                        "and run again: %s", exc, extra={"task_id": message.task_id, "seq": message.seq},
+                    )
+                    return
+                log.warning("database unavailable, storing the outcome again in %.1fs", pause)
+                time.sleep(pause)
+                pause = min(pause * 2, 8.0)
 
     def _handler(self, message: StepMessage) -> Handler:
         module = self.modules.get(message.module)

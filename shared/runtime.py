@@ -10,6 +10,7 @@ from shared.consumer import StepConsumer
 from shared.flows import FlowsError, FlowSet, load_flows
 from shared.messaging import AsyncflowCelery, CeleryPublisher, make_celery
 from shared.module import Module
+from shared.saga import Timing
 from shared.service import Publisher, TaskService
 from shared.storage import TaskStore, open_store
 
@@ -45,7 +46,9 @@ class Runtime:
     @cached_property
     def service(self) -> TaskService:
         publisher = self._publisher or CeleryPublisher(self.celery, self.settings)
-        return TaskService(self.store, publisher, self.flows)
+        s = self.settings
+        timing = Timing(s.requeue_after, s.expire_grace, s.publish_retry)
+        return TaskService(self.store, publisher, self.flows, timing=timing)
 
     def load_modules(self, names: list[str]) -> dict[str, Module]:
         """Import ``names`` and check they provide every command the flows use."""

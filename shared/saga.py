@@ -7,6 +7,12 @@ only then publishes the returned messages and raises the returned alarms.
 Step events carry the ``seq`` of the message they answer; an event whose seq or
 phase does not match the task's one outstanding message is stale (a duplicate
 delivery, a late worker) and is ignored, so redelivery never advances a task twice.
+
+The outstanding message's ``due_at`` is when the scheduler must look at the task
+next, whatever the phase: a waiting message is published (``Due``); a queued
+one that nobody started is published again (``Requeue``: lost in a crash
+between commit and publish, or by the broker); a running attempt with no outcome
+by its deadline counts as failed (``Expire``: its worker died or hangs).
 """
 
 from __future__ import annotations
@@ -23,6 +29,18 @@ class InvalidAction(Exception):
     """An operator action that the task's current state does not allow."""
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Bounds of the governance sweeps, in seconds (settings pass them in)."""
+
+    requeue_after: float = 30.0  # queued, not started: publish again
+    expire_grace: float = 15.0  # running past timeout + this: a lost attempt
+    publish_retry: float = 2.0  # a publish failed: try again this soon
+
+
+DEFAULT_TIMING = Timing()
+
+
 # --- events -----------------------------------------------------------------
 
 
@@ -34,6 +52,27 @@ class Submit:
 @dataclass(frozen=True)
 class Due:
     """A waiting message (backoff, poll later) has reached its due time."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """A queued message was not started in time: publish it again (same seq)."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class PublishFailed:
+    """The broker refused the message: look again soon rather than after requeue_after."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Expire:
+    """A running attempt passed its deadline without an outcome."""
 
     seq: int
 
@@ -79,17 +118,22 @@ class Resume:
     pass
 
 
-StepEvent = Due | Started | Succeeded | Failed | PollLater
+StepEvent = Due | Requeue | PublishFailed | Expire | Started | Succeeded | Failed | PollLater
 Event = Submit | StepEvent | Cancel | Retry | Resume
 
 # The phase the outstanding message must be in for each step event to apply.
 _EXPECTED_PHASE: dict[type, Phase] = {
     Due: Phase.WAITING,
+    Requeue: Phase.QUEUED,
+    PublishFailed: Phase.QUEUED,
+    Expire: Phase.RUNNING,
     Started: Phase.QUEUED,
     Succeeded: Phase.RUNNING,
     Failed: Phase.RUNNING,
     PollLater: Phase.RUNNING,
 }
+# Sweep events act only once the outstanding message is due.
+_SWEEPS = (Due, Requeue, Expire)
 
 
 @dataclass(frozen=True)
@@ -100,31 +144,42 @@ class Decision:
     ignored: str | None = None  # set when a step event was stale and changed nothing
 
 
-def decide(task: Task, event: Event, now: float) -> Decision:
+def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING) -> Decision:
     if isinstance(event, Submit):
-        return _submit(task, now)
+        return _submit(task, now, timing)
     if isinstance(event, Cancel):
-        return _cancel(task, now)
+        return _cancel(task, now, timing)
     if isinstance(event, Retry):
-        return _retry(task, now)
+        return _retry(task, now, timing)
     if isinstance(event, Resume):
-        return _resume(task, now)
+        return _resume(task, now, timing)
 
-    stale = _stale(task, event)
+    stale = _stale(task, event, now)
     if stale:
         return Decision(task, ignored=stale)
-    if isinstance(event, Due):
-        return _due(task)
+    active = task.active
+    assert active is not None
+    if isinstance(event, Due | Requeue):
+        return _publish_again(task, now, timing)
+    if isinstance(event, PublishFailed):
+        return Decision(replace(task, active=replace(active, due_at=now + timing.publish_retry)))
     if isinstance(event, Started):
-        return _started(task, now)
+        return _started(task, now, timing)
     if isinstance(event, Succeeded):
-        return _succeeded(task, event, now)
+        return _succeeded(task, event, now, timing)
+    if isinstance(event, Expire):
+        action = task.steps[active.cursor].action(active.type)
+        error = (
+            f"no outcome within {action.timeout:g}s + {timing.expire_grace:g}s grace "
+            "(its worker was lost or stalled)"
+        )
+        return _failed(task, Failed(event.seq, error, timed_out=True), now, timing)
     if isinstance(event, Failed):
-        return _failed(task, event, now)
-    return _poll_later(task, event, now)
+        return _failed(task, event, now, timing)
+    return _poll_later(task, event, now, timing)
 
 
-def _stale(task: Task, event: StepEvent) -> str | None:
+def _stale(task: Task, event: StepEvent, now: float) -> str | None:
     active = task.active
     if active is None:
         return f"task {task.task_id} has no outstanding step (status {task.status.label})"
@@ -133,6 +188,8 @@ def _stale(task: Task, event: StepEvent) -> str | None:
     expected = _EXPECTED_PHASE[type(event)]
     if active.phase is not expected:
         return f"{type(event).__name__} for seq {event.seq} while it is {active.phase.name.lower()}"
+    if isinstance(event, _SWEEPS) and (active.due_at is None or active.due_at > now):
+        return f"{type(event).__name__} for seq {event.seq} before it is due"
     return None
 
 
@@ -140,13 +197,19 @@ def _stale(task: Task, event: StepEvent) -> str | None:
 
 
 def _dispatch(
-    task: Task, cursor: int, step_type: StepType, attempt: int, now: float, delay: float = 0.0
+    task: Task,
+    cursor: int,
+    step_type: StepType,
+    attempt: int,
+    now: float,
+    timing: Timing,
+    delay: float = 0.0,
 ) -> Decision:
     seq = task.seq + 1
     if delay > 0:
         active = Active(seq, cursor, step_type, attempt, Phase.WAITING, due_at=now + delay)
         return Decision(replace(task, seq=seq, active=active))
-    active = Active(seq, cursor, step_type, attempt, Phase.QUEUED, due_at=now)
+    active = Active(seq, cursor, step_type, attempt, Phase.QUEUED, due_at=now + timing.requeue_after)
     task = replace(task, seq=seq, active=active)
     return Decision(task, messages=(message_for(task),))
 
@@ -171,14 +234,14 @@ def message_for(task: Task) -> StepMessage:
     )
 
 
-def _rollback_from(task: Task, start: int, now: float) -> Decision:
+def _rollback_from(task: Task, start: int, now: float, timing: Timing) -> Decision:
     """Compensate steps ``start``, ``start-1`` … 0, skipping steps without a rollback."""
     task = replace(task, status=TaskStatus.ROLLING_BACK, active=None)
     for index in range(start, -1, -1):
         if task.steps[index].rollback is None:
             task = task.with_step(index, rollback_state=StepState.SKIPPED)
             continue
-        return _dispatch(task, index, StepType.ROLLBACK, 1, now)
+        return _dispatch(task, index, StepType.ROLLBACK, 1, now, timing)
     final = TaskStatus.CANCELLED if task.cancel_requested else TaskStatus.FAILED
     return Decision(replace(task, status=final, ended_at=now))
 
@@ -192,19 +255,21 @@ def _merge(task: Task, values: Mapping[str, Any]) -> Task:
 # --- step events ---------------------------------------------------------------
 
 
-def _submit(task: Task, now: float) -> Decision:
+def _submit(task: Task, now: float, timing: Timing) -> Decision:
     if task.status is not TaskStatus.PENDING or task.seq != 0:
         raise InvalidAction(f"task {task.task_id} was already dispatched")
-    return _dispatch(task, 0, StepType.NORMAL, 1, now)
+    return _dispatch(task, 0, StepType.NORMAL, 1, now, timing)
 
 
-def _due(task: Task) -> Decision:
+def _publish_again(task: Task, now: float, timing: Timing) -> Decision:
+    """Publish the outstanding message (same seq: a copy still in flight stays harmless)."""
     assert task.active is not None
-    task = replace(task, active=replace(task.active, phase=Phase.QUEUED))
+    active = replace(task.active, phase=Phase.QUEUED, due_at=now + timing.requeue_after)
+    task = replace(task, active=active)
     return Decision(task, messages=(message_for(task),))
 
 
-def _started(task: Task, now: float) -> Decision:
+def _started(task: Task, now: float, timing: Timing) -> Decision:
     active = task.active
     assert active is not None
     step = task.steps[active.cursor]
@@ -224,28 +289,30 @@ def _started(task: Task, now: float) -> Decision:
         )
     if task.status is TaskStatus.PENDING:
         task = replace(task, status=TaskStatus.RUNNING, started_at=now)
-    return Decision(replace(task, active=replace(active, phase=Phase.RUNNING, started_at=now)))
+    deadline = now + step.action(active.type).timeout + timing.expire_grace
+    active = replace(active, phase=Phase.RUNNING, started_at=now, due_at=deadline)
+    return Decision(replace(task, active=active))
 
 
-def _succeeded(task: Task, event: Succeeded, now: float) -> Decision:
+def _succeeded(task: Task, event: Succeeded, now: float, timing: Timing) -> Decision:
     active = task.active
     assert active is not None
     n = active.cursor
     if active.type is StepType.ROLLBACK:
         task = task.with_step(n, rollback_state=StepState.SUCCEEDED, rollback_time_end=now)
-        return _rollback_from(task, n - 1, now)
+        return _rollback_from(task, n - 1, now, timing)
 
     task = _merge(task, event.result).with_step(
         n, state=StepState.SUCCEEDED, code=StepCode.OK, message=None, time_end=now
     )
     if task.cancel_requested:
-        return _rollback_from(replace(task, message="cancelled by operator"), n, now)
+        return _rollback_from(replace(task, message="cancelled by operator"), n, now, timing)
     if n == len(task.steps) - 1:
         return Decision(replace(task, status=TaskStatus.SUCCESS, ended_at=now, active=None))
-    return _dispatch(replace(task, cursor=n + 1), n + 1, StepType.NORMAL, 1, now)
+    return _dispatch(replace(task, cursor=n + 1), n + 1, StepType.NORMAL, 1, now, timing)
 
 
-def _failed(task: Task, event: Failed, now: float) -> Decision:
+def _failed(task: Task, event: Failed, now: float, timing: Timing) -> Decision:
     active = task.active
     assert active is not None
     n = active.cursor
@@ -256,12 +323,12 @@ def _failed(task: Task, event: Failed, now: float) -> Decision:
     if active.attempt <= action.retry and not event.permanent and not cancelling:
         task = task.with_step(n, code=code, message=event.error)
         delay = action.backoff(active.attempt)
-        return _dispatch(task, n, active.type, active.attempt + 1, now, delay)
+        return _dispatch(task, n, active.type, active.attempt + 1, now, timing, delay)
 
     where = f"step {n} ({action.module}.{action.command})"
     if active.type is StepType.NORMAL:
         task = task.with_step(n, state=StepState.FAILED, code=code, message=event.error, time_end=now)
-        return _rollback_from(replace(task, message=f"{where} failed: {event.error}"), n, now)
+        return _rollback_from(replace(task, message=f"{where} failed: {event.error}"), n, now, timing)
 
     task = task.with_step(
         n, rollback_state=StepState.FAILED, code=code, message=event.error, rollback_time_end=now
@@ -277,7 +344,7 @@ def _failed(task: Task, event: Failed, now: float) -> Decision:
     return Decision(task, alarms=(alarm,))
 
 
-def _poll_later(task: Task, event: PollLater, now: float) -> Decision:
+def _poll_later(task: Task, event: PollLater, now: float, timing: Timing) -> Decision:
     active = task.active
     assert active is not None
     task = _merge(task, event.parameters)
@@ -285,14 +352,15 @@ def _poll_later(task: Task, event: PollLater, now: float) -> Decision:
         task = task.with_step(
             active.cursor, state=StepState.CANCELLED, code=StepCode.CANCELLED, time_end=now
         )
-        return _rollback_from(replace(task, message="cancelled by operator"), active.cursor, now)
-    return _dispatch(task, active.cursor, active.type, active.attempt, now, max(event.after, 0.0))
+        return _rollback_from(replace(task, message="cancelled by operator"), active.cursor, now, timing)
+    delay = max(event.after, 0.0)
+    return _dispatch(task, active.cursor, active.type, active.attempt, now, timing, delay)
 
 
 # --- operator actions ----------------------------------------------------------
 
 
-def _cancel(task: Task, now: float) -> Decision:
+def _cancel(task: Task, now: float, timing: Timing) -> Decision:
     if task.status not in (TaskStatus.PENDING, TaskStatus.RUNNING):
         raise InvalidAction(
             f"task {task.task_id} is {task.status.label}; only pending or running tasks can be cancelled"
@@ -309,12 +377,12 @@ def _cancel(task: Task, now: float) -> Decision:
     task = replace(task, message="cancelled by operator", active=None)
     if task.steps[n].attempts == 0:
         # Step n never ran: nothing of it to undo.
-        return _rollback_from(task, n - 1, now)
+        return _rollback_from(task, n - 1, now, timing)
     task = task.with_step(n, state=StepState.CANCELLED, code=StepCode.CANCELLED, time_end=now)
-    return _rollback_from(task, n, now)
+    return _rollback_from(task, n, now, timing)
 
 
-def _retry(task: Task, now: float) -> Decision:
+def _retry(task: Task, now: float, timing: Timing) -> Decision:
     if task.status not in (TaskStatus.FAILED, TaskStatus.CANCELLED):
         raise InvalidAction(
             f"task {task.task_id} is {task.status.label}; only failed or cancelled tasks can be retried"
@@ -336,10 +404,10 @@ def _retry(task: Task, now: float) -> Decision:
         ended_at=None,
         cancel_requested=False,
     )
-    return _dispatch(task, start, StepType.NORMAL, 1, now)
+    return _dispatch(task, start, StepType.NORMAL, 1, now, timing)
 
 
-def _resume(task: Task, now: float) -> Decision:
+def _resume(task: Task, now: float, timing: Timing) -> Decision:
     if task.status is not TaskStatus.ROLLBACK_FAILED:
         raise InvalidAction(
             f"task {task.task_id} is {task.status.label}; only a failed rollback can be resumed"
@@ -347,4 +415,4 @@ def _resume(task: Task, now: float) -> Decision:
     k = max(i for i, s in enumerate(task.steps) if s.rollback_state is StepState.FAILED)
     task = task.with_step(k, rollback_state=StepState.PENDING)
     task = replace(task, status=TaskStatus.ROLLING_BACK, ended_at=None, message=None)
-    return _dispatch(task, k, StepType.ROLLBACK, 1, now)
+    return _dispatch(task, k, StepType.ROLLBACK, 1, now, timing)

@@ -16,18 +16,23 @@ from typing import Any, Protocol
 from shared import metrics
 from shared.flows import FlowSet
 from shared.saga import (  # noqa: F401 - InvalidAction is part of this API
+    DEFAULT_TIMING,
     Decision,
     Due,
     Event,
+    Expire,
     Failed,
     InvalidAction,
     PollLater,
+    PublishFailed,
+    Requeue,
     Started,
     Submit,
     Succeeded,
+    Timing,
     decide,
 )
-from shared.states import StepType
+from shared.states import Phase, StepType
 from shared.storage import AttemptRecord, TaskFilter, TaskStore
 from shared.task import Alarm, StepMessage, Task, new_task
 
@@ -55,6 +60,10 @@ class Publisher(Protocol):
 
     def alarm(self, alarm: Alarm) -> None: ...
 
+    def healthy(self) -> bool:
+        """False while the broker is known to be down (publishing is pointless)."""
+        ...
+
 
 class TaskService:
     def __init__(
@@ -63,11 +72,13 @@ class TaskService:
         publisher: Publisher,
         flows: FlowSet,
         clock: Callable[[], float] = time.time,
+        timing: Timing = DEFAULT_TIMING,
     ) -> None:
         self.store = store
         self.publisher = publisher
         self.flows = flows
         self.clock = clock
+        self.timing = timing
 
     # --- intake ------------------------------------------------------------
 
@@ -86,7 +97,7 @@ class TaskService:
             raise UnknownFlow(f"unknown flow {flow_name!r} (known flows: {known})")
         now = self.clock()
         task = new_task(task_id or uuid.uuid4().hex, flow, parameters, now, priority, user_id)
-        decision = decide(task, Submit(), now)
+        decision = decide(task, Submit(), now, self.timing)
         stored, created = self.store.create(decision.task, now)
         if created:
             metrics.SUBMITTED.labels(flow.name).inc()
@@ -110,7 +121,7 @@ class TaskService:
             if task is None:
                 raise TaskNotFound(f"no task {task_id!r}")
             now = self.clock()
-            decision = decide(task, event, now)
+            decision = decide(task, event, now, self.timing)
             if decision.ignored or decision.task is task:
                 if from_copy:
                     continue  # judge a no-op against the stored task, not a copy
@@ -139,13 +150,8 @@ class TaskService:
                 metrics.RETRIES.labels(message.module, message.command).inc()
             try:
                 self.publisher.publish(message)
-            except Exception:
-                # The transition is committed; the message is not. The task stays
-                # queued in the database (its truth) until it is published again.
-                log.exception(
-                    "publishing a step message failed; the task stays queued",
-                    extra={"task_id": message.task_id, "step": message.cursor, "seq": message.seq},
-                )
+            except Exception as exc:
+                self._publish_failed(message, exc)
         for alarm in decision.alarms:
             metrics.ALARMS.labels(alarm.flow, alarm.module).inc()
             log.error(
@@ -161,19 +167,46 @@ class TaskService:
             except Exception:
                 log.exception("delivering the alarm failed", extra={"task_id": alarm.task_id})
 
+    def _publish_failed(self, message: StepMessage, exc: Exception) -> None:
+        """The transition is committed, the message is not: the sweep publishes it again."""
+        extra = {"task_id": message.task_id, "step": message.cursor, "seq": message.seq}
+        log.warning("publishing failed, the scheduler will publish it again: %s", exc, extra=extra)
+        try:
+            self.apply(message.task_id, PublishFailed(message.seq))
+        except Exception:
+            # Then the requeue sweep finds it after requeue_after instead.
+            log.exception("could not mark the message for an early re-publish", extra=extra)
+
     # --- operator actions ---------------------------------------------------------
 
     def operate(self, task_id: str, event: Event) -> Task:
         """Cancel, Retry or Resume; raises InvalidAction when the state forbids it."""
         return self.apply(task_id, event).task
 
-    def dispatch_due(self, limit: int = 500) -> int:
-        """Publish waiting messages whose time has come (backoff, poll later)."""
-        count = 0
-        for task_id, seq in self.store.due(self.clock(), limit):
-            if not self.apply(task_id, Due(seq)).ignored:
-                count += 1
-        return count
+    def sweep(self, limit: int = 500) -> int:
+        """Act on every outstanding message that is due; returns how many changed.
+
+        Waiting messages are published, queued ones that nobody started are
+        published again, running ones past their deadline count as failed. Safe
+        in several schedulers at once: each change is a compare-and-set.
+        """
+        changed = 0
+        can_publish = self.publisher.healthy()
+        for task_id, seq, phase in self.store.due(self.clock(), limit):
+            if phase is not Phase.RUNNING and not can_publish:
+                continue  # leave it due; publishing now would only fail again
+            event = _SWEEP_EVENTS[phase](seq)
+            try:
+                decision = self.apply(task_id, event)
+            except TaskNotFound:
+                continue
+            if not decision.ignored:
+                changed += 1
+                if isinstance(event, Requeue | Expire):
+                    log.warning(
+                        "sweep: %s", type(event).__name__.lower(), extra={"task_id": task_id, "seq": seq}
+                    )
+        return changed
 
     # --- reads ------------------------------------------------------------------
 
@@ -190,10 +223,13 @@ class TaskService:
         return self.store.attempts(task_id)
 
 
+_SWEEP_EVENTS = {Phase.WAITING: Due, Phase.QUEUED: Requeue, Phase.RUNNING: Expire}
+
+
 def _attempt_record(task: Task, event: Event, now: float) -> AttemptRecord | None:
     """The attempt-log write that goes with an accepted step event."""
     active = task.active
-    if active is None or not isinstance(event, Started | Succeeded | Failed | PollLater):
+    if active is None or not isinstance(event, Started | Succeeded | Failed | PollLater | Expire):
         return None
     action = task.steps[active.cursor].action(active.type)
     base = dict(
@@ -211,6 +247,8 @@ def _attempt_record(task: Task, event: Event, now: float) -> AttemptRecord | Non
         return AttemptRecord(**base, ended_at=now, outcome="succeeded")
     if isinstance(event, PollLater):
         return AttemptRecord(**base, ended_at=now, outcome="poll_later")
+    if isinstance(event, Expire):
+        return AttemptRecord(**base, ended_at=now, outcome="expired", error="no outcome by the deadline")
     outcome = "timed_out" if event.timed_out else "failed"
     return AttemptRecord(**base, ended_at=now, outcome=outcome, error=event.error)
 

@@ -45,6 +45,9 @@ class QueuePublisher:
     def alarm(self, alarm: Alarm) -> None:
         self.alarms.append(alarm)
 
+    def healthy(self) -> bool:
+        return True
+
 
 class Harness:
     def __init__(
@@ -76,14 +79,11 @@ class Harness:
         raise RuntimeError("flow did not settle")
 
     def _release_due(self) -> bool:
-        due = self.store.due(float("inf"), 10_000)
+        due = self.store.due(float("inf"), 1)
         if not due:
             return False
-        earliest = min(
-            (t.active.due_at or 0)
-            for t in (self.store.get(task_id) for task_id, _ in due)
-            if t is not None and t.active is not None
-        )
-        self.clock.now = max(self.clock.now, earliest)
-        self.service.dispatch_due()
+        task = self.store.get(due[0][0])
+        assert task is not None and task.active is not None and task.active.due_at is not None
+        self.clock.now = max(self.clock.now, task.active.due_at)
+        self.service.sweep()
         return True

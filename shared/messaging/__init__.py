@@ -8,6 +8,10 @@ a killed pool process into a failed attempt.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import WorkerLostError
@@ -16,6 +20,7 @@ from celery.worker.request import Request
 
 from shared.config import Settings
 from shared.messaging.embedded import kombu_url
+from shared.storage import StorageUnavailable
 from shared.task import Alarm, StepMessage
 
 if TYPE_CHECKING:
@@ -86,6 +91,14 @@ def make_celery(settings: Settings) -> AsyncflowCelery:
         worker_hijack_root_logger=False,
         task_default_queue=queue_name("default"),
         worker_send_task_events=False,
+        # Fail a publish within seconds when the broker is down: the task is safe
+        # in the database and the scheduler publishes it again.
+        broker_connection_timeout=2.0,
+        task_publish_retry_policy={
+            "max_retries": 2, "interval_start": 0, "interval_step": 0.25, "interval_max": 0.5,
+        },
+        # Consumers wait for the broker forever instead of exiting after 100 tries.
+        broker_connection_max_retries=None,
     )
     if settings.is_embedded_broker():
         conf["broker_transport_options"] = {"polling_interval": settings.embedded_poll_interval}
@@ -102,7 +115,14 @@ def make_celery(settings: Settings) -> AsyncflowCelery:
 def _register_tasks(app: AsyncflowCelery, settings: Settings) -> None:
     @app.task(name=STEP_TASK, bind=True, Request=StepRequest)
     def run_step(self: Task, payload: dict[str, Any]) -> None:
-        self.app.step_consumer().handle(StepMessage.from_payload(payload))
+        try:
+            self.app.step_consumer().handle(StepMessage.from_payload(payload))
+        except StorageUnavailable as exc:
+            # Nothing ran yet (the start could not be recorded). Keep the message:
+            # a delayed copy goes back on the queue before this one is acknowledged.
+            countdown = min(2 ** self.request.retries, 30)
+            log.warning("database unavailable, step message retried in %ss: %s", countdown, exc)
+            raise self.retry(exc=exc, countdown=countdown, max_retries=None) from exc
 
     @app.task(
         name=ALARM_TASK,
@@ -116,21 +136,71 @@ def _register_tasks(app: AsyncflowCelery, settings: Settings) -> None:
         self.app.step_consumer().alarm(alarm, settings.alert_command)
 
 
+def bound_shutdown(app: AsyncflowCelery, grace: float) -> None:
+    """On SIGTERM, let in-flight attempts finish for ``grace`` seconds, then give up on them.
+
+    Celery's warm shutdown waits for every running task, which for a step with
+    a 30-minute timeout means 30 minutes. After ``grace`` the attempts still
+    running are recorded as lost, so they run again elsewhere at once instead of
+    expiring later, and the worker is stopped cold.
+    """
+    from celery.signals import worker_shutting_down
+    from celery.worker import state
+
+    def give_up() -> None:
+        running = list(state.active_requests)
+        for request in running:
+            try:
+                message = StepMessage.from_payload(request.args[0])
+            except (IndexError, KeyError, TypeError, ValueError):
+                continue  # an alarm delivery: it is retried by the broker
+            app.step_consumer().lost(message, f"worker stopped; attempt unfinished after {grace:g}s")
+        log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(running))
+        os.kill(os.getpid(), signal.SIGQUIT)
+
+    def on_shutdown(**_: Any) -> None:
+        if state.active_requests:
+            log.info("stopping: waiting up to %gs for %d attempt(s)", grace, len(state.active_requests))
+            timer = threading.Timer(grace, give_up)
+            timer.daemon = True
+            timer.start()
+
+    worker_shutting_down.connect(on_shutdown, weak=False)
+
+
+class BrokerUnavailable(Exception):
+    """A publish failed moments ago; not trying again until the pause is over."""
+
+
 class CeleryPublisher:
+    # After a failed publish, fail fast for this long: the database holds the
+    # message and the scheduler publishes it once the broker answers again.
+    PAUSE_AFTER_FAILURE = 2.0
+
     def __init__(self, app: AsyncflowCelery, settings: Settings) -> None:
         self.app = app
         self.grace = settings.hard_timeout_grace
         self.alert_command = settings.alert_command
+        self._paused_until = 0.0
+
+    def healthy(self) -> bool:
+        return time.monotonic() >= self._paused_until
 
     def publish(self, message: StepMessage) -> None:
-        self.app.send_task(
-            STEP_TASK,
-            args=[message.to_payload()],
-            queue=queue_name(message.module),
-            # The soft limit interrupts the handler; the hard one kills its process.
-            soft_time_limit=message.timeout,
-            time_limit=message.timeout + self.grace,
-        )
+        if not self.healthy():
+            raise BrokerUnavailable("the broker failed a publish moments ago")
+        try:
+            self.app.send_task(
+                STEP_TASK,
+                args=[message.to_payload()],
+                queue=queue_name(message.module),
+                # The soft limit interrupts the handler; the hard one kills its process.
+                soft_time_limit=message.timeout,
+                time_limit=message.timeout + self.grace,
+            )
+        except Exception:
+            self._paused_until = time.monotonic() + self.PAUSE_AFTER_FAILURE
+            raise
 
     def alarm(self, alarm: Alarm) -> None:
         if not self.alert_command:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from shared.states import StepType, TaskStatus
+from shared.states import Phase, StepType, TaskStatus
 from shared.task import Task
 
 
@@ -77,8 +77,8 @@ class TaskStore(abc.ABC):
     def attempts(self, task_id: str) -> list[AttemptRecord]: ...
 
     @abc.abstractmethod
-    def due(self, now: float, limit: int) -> list[tuple[str, int]]:
-        """(task_id, seq) of waiting messages whose due time has come."""
+    def due(self, now: float, limit: int) -> list[tuple[str, int, Phase]]:
+        """(task_id, seq, phase) of outstanding messages whose due time has come, oldest first."""
 
     @abc.abstractmethod
     def ping(self) -> None:

@@ -59,15 +59,13 @@ class InMemoryStore(TaskStore):
             (a for (tid, _), a in self._attempts.items() if tid == task_id), key=lambda a: a.seq
         )
 
-    def due(self, now: float, limit: int) -> list[tuple[str, int]]:
-        ready = [
-            (t.task_id, t.active.seq)
+    def due(self, now: float, limit: int) -> list[tuple[str, int, Phase]]:
+        ready = sorted(
+            (t.active.due_at, t.task_id, t.active.seq, t.active.phase)
             for t in self._tasks.values()
-            if t.active is not None
-            and t.active.phase is Phase.WAITING
-            and (t.active.due_at or 0) <= now
-        ]
-        return ready[:limit]
+            if t.active is not None and t.active.due_at is not None and t.active.due_at <= now
+        )
+        return [(task_id, seq, phase) for _, task_id, seq, phase in ready[:limit]]
 
     def ping(self) -> None:
         return None

@@ -53,7 +53,7 @@ tasks = Table(
     Index("ix_af_tasks_flow_created", "flow", "created_at"),
     Index("ix_af_tasks_user_created", "user_id", "created_at"),
     Index("ix_af_tasks_status_created", "status", "created_at"),
-    Index("ix_af_tasks_phase_due", "active_phase", "due_at"),
+    Index("ix_af_tasks_due", "due_at"),
 )
 
 # Every attempt of every step, for inspection; the task row stays the truth.

@@ -124,15 +124,17 @@ class SqlStore(TaskStore):
                 AttemptRecord(**{**r._mapping, "type": StepType(r.type)}) for r in conn.execute(query)
             ]
 
-    def due(self, now: float, limit: int) -> list[tuple[str, int]]:
+    def due(self, now: float, limit: int) -> list[tuple[str, int, Phase]]:
+        # due_at is NULL unless a message is outstanding, so this range scan on
+        # its index touches only the tasks that need the scheduler now.
         query = (
-            select(tasks.c.task_id, tasks.c.active_seq)
-            .where(tasks.c.active_phase == int(Phase.WAITING), tasks.c.due_at <= now)
+            select(tasks.c.task_id, tasks.c.active_seq, tasks.c.active_phase)
+            .where(tasks.c.due_at <= now)
             .order_by(tasks.c.due_at)
             .limit(limit)
         )
         with self._tx(read_only=True) as conn:
-            return [(r.task_id, r.active_seq) for r in conn.execute(query)]
+            return [(r.task_id, r.active_seq, Phase(r.active_phase)) for r in conn.execute(query)]
 
     def ping(self) -> None:
         with self._tx(read_only=True) as conn:

@@ -277,25 +277,33 @@ class TestTaskStoreContract:
 
     # --- due -------------------------------------------------------------------------------
 
-    def test_due_returns_only_waiting_messages_whose_time_has_come(self, store: TaskStore) -> None:
+    def test_due_returns_outstanding_messages_whose_time_has_come_oldest_first(self, store: TaskStore) -> None:
         store.create(waiting("early", due_at=NOW + 10), NOW)
         store.create(waiting("on-time", due_at=NOW + 20, created_at=NOW + 1), NOW + 1)
         store.create(waiting("later", due_at=NOW + 30, created_at=NOW + 2), NOW + 2)
-        store.create(submitted("queued", created_at=NOW + 3), NOW + 3)  # queued, due_at = NOW + 3
+        queued = submitted("queued", created_at=NOW + 3)  # queued: due when it must be re-published
+        assert queued.active is not None and queued.active.due_at is not None
+        store.create(queued, NOW + 3)
         done, _ = store.create(submitted("finished", created_at=NOW + 4), NOW + 4)
         store.save(replace(done, status=TaskStatus.SUCCESS, active=None, ended_at=NOW + 5), NOW + 5)
 
         assert store.due(NOW + 5, 100) == []
-        assert store.due(NOW + 10, 100) == [("early", 3)]
-        assert sorted(store.due(NOW + 20, 100)) == [("early", 3), ("on-time", 3)]
-        assert sorted(store.due(NOW + 1000, 100)) == [("early", 3), ("later", 3), ("on-time", 3)]
-        assert len(store.due(NOW + 1000, 2)) == 2
+        assert store.due(NOW + 10, 100) == [("early", 3, Phase.WAITING)]
+        assert store.due(NOW + 20, 100) == [("early", 3, Phase.WAITING), ("on-time", 3, Phase.WAITING)]
+        everything = store.due(NOW + 10_000, 100)
+        assert [t for t, _, _ in everything] == sorted(
+            ["early", "on-time", "later", "queued"],
+            key=lambda t: {"early": 10, "on-time": 20, "later": 30, "queued": queued.active.due_at - NOW}[t],
+        )
+        assert ("queued", 1, Phase.QUEUED) in everything
+        assert len(store.due(NOW + 10_000, 2)) == 2
 
-        # Once published (queued), a message is no longer due.
+        # A message moved past its due time is no longer due; a finished task never is.
         early = store.get("early")
         assert early is not None and early.active is not None
-        store.save(replace(early, active=replace(early.active, phase=Phase.QUEUED)), NOW + 11)
-        assert sorted(store.due(NOW + 1000, 100)) == [("later", 3), ("on-time", 3)]
+        store.save(replace(early, active=replace(early.active, phase=Phase.QUEUED, due_at=NOW + 500)), NOW + 11)
+        assert "early" not in [t for t, _, _ in store.due(NOW + 100, 100)]
+        assert "finished" not in [t for t, _, _ in store.due(NOW + 10_000, 100)]
 
     def test_ping(self, store: TaskStore) -> None:
         store.ping()

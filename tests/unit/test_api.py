@@ -139,7 +139,10 @@ def test_submit_returns_201_with_the_full_task_document_and_publishes_step_0(api
         "parameters": {"Cpu": 4, "Name": "db1"},
         "attempts": None,
     }
-    assert doc["current"] == {"seq": 1, "cursor": 0, "type": 0, "attempt": 1, "phase": "queued", "due_at": now}
+    # Queued: due for a re-publish if no worker starts it within requeue_after.
+    assert doc["current"] == {
+        "seq": 1, "cursor": 0, "type": 0, "attempt": 1, "phase": "queued", "due_at": now + 30.0
+    }
     assert len(doc["steps"]) == 3
     for step in doc["steps"]:
         assert set(step) == STEP_FIELDS

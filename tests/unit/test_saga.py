@@ -10,17 +10,21 @@ from shared.flows import Action, Flow, StepDef
 from shared.saga import (
     Cancel,
     Due,
+    Expire,
     Failed,
     InvalidAction,
     PollLater,
+    PublishFailed,
+    Requeue,
     Resume,
     Retry,
     Started,
     Submit,
     Succeeded,
+    Timing,
     decide,
 )
-from shared.states import Phase, StepState, StepType, TaskStatus
+from shared.states import Phase, StepCode, StepState, StepType, TaskStatus
 from shared.task import Task, new_task
 
 
@@ -48,6 +52,7 @@ def run(task: Task, *outcomes: object, now: float = 200.0) -> Task:
     """Start the outstanding message and apply each outcome in turn."""
     for outcome in outcomes:
         if task.active.phase is Phase.WAITING:
+            now = max(now, task.active.due_at)
             task = decide(task, Due(task.active.seq), now).task
         task = decide(task, Started(task.active.seq), now).task
         task = decide(task, outcome(task.active.seq), now).task  # type: ignore[operator]
@@ -207,3 +212,34 @@ def test_retry_restarts_from_first_undone_step() -> None:
 def test_resume_only_for_failed_rollback() -> None:
     with pytest.raises(InvalidAction):
         decide(submitted(flow(0)), Resume(), 1.0)
+
+
+def test_requeue_republishes_a_queued_message_only_once_due() -> None:
+    task = submitted(flow(0))
+    seq, due = task.active.seq, task.active.due_at
+    assert due == 100.0 + 30.0  # DEFAULT_TIMING.requeue_after
+    assert decide(task, Requeue(seq), due - 1).ignored
+    d = decide(task, Requeue(seq), due)
+    (msg,) = d.messages
+    assert msg.seq == seq and d.task.active.due_at == due + 30.0
+    started = decide(d.task, Started(seq), due + 1).task
+    assert decide(started, Requeue(seq), due + 1000).ignored  # running: nothing to re-publish
+
+
+def test_publish_failure_brings_the_requeue_forward() -> None:
+    task = submitted(flow(0))
+    d = decide(task, PublishFailed(task.active.seq), 101.0, Timing(publish_retry=2.0))
+    assert d.task.active.due_at == 103.0 and not d.messages
+    assert decide(d.task, Requeue(task.active.seq), 103.0).messages
+
+
+def test_expired_attempt_counts_as_failed_and_late_outcome_is_ignored() -> None:
+    task = submitted(flow(1))
+    seq = task.active.seq
+    task = decide(task, Started(seq), 200.0, Timing(expire_grace=5.0)).task
+    assert task.active.due_at == 200.0 + 10 + 5.0  # timeout 10 + grace
+    assert decide(task, Expire(seq), 214.0).ignored
+    d = decide(task, Expire(seq), 215.0)
+    assert d.task.active.attempt == 2 and d.task.steps[0].code == StepCode.TIMED_OUT
+    assert "no outcome within 10s" in d.task.steps[0].message
+    assert decide(d.task, Succeeded(seq), 216.0).ignored  # the lost worker came back too late

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.flows import Action, Flow, StepDef
-from shared.saga import Cancel, Due, Failed, PollLater, Started, Submit, Succeeded, decide
+from shared.saga import Cancel, Due, Expire, Failed, PollLater, Requeue, Started, Submit, Succeeded, decide
 from shared.states import STOPPED, Phase, StepState, StepType, TaskStatus
 from shared.task import new_task
 
@@ -25,7 +25,7 @@ flows = st.lists(
     )
 )
 
-OUTCOMES = ["ok", "fail", "timeout", "poll", "duplicate", "cancel"]
+OUTCOMES = ["ok", "fail", "timeout", "poll", "duplicate", "cancel", "requeue", "expire"]
 
 
 @settings(max_examples=400, deadline=None)
@@ -59,6 +59,13 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(flow:
             stale = decide(task, Started(data.draw(st.sampled_from(seen_seqs))), now)
             assert stale.ignored or stale.task.active.seq not in seen_seqs
             continue
+        if outcome == "requeue":
+            # The sweep re-publishes a queued message: same seq, still only one start.
+            now = max(now, active.due_at)
+            requeued = decide(task, Requeue(active.seq), now)
+            assert [m.seq for m in requeued.messages] == [active.seq]
+            task = requeued.task
+            continue
         started = decide(task, Started(active.seq), now)
         assert not started.ignored and not started.messages
         task = started.task
@@ -67,7 +74,12 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(flow:
             polls += 1
             task = decide(task, PollLater(active.seq, 2.0), now).task
             continue
-        if outcome == "ok":
+        if outcome == "expire":
+            now = max(now, task.active.due_at)
+            result = decide(task, Expire(active.seq), now)
+            if active.type is StepType.NORMAL and result.task.status is TaskStatus.ROLLING_BACK:
+                failed_step = active.cursor
+        elif outcome == "ok":
             result = decide(task, Succeeded(active.seq, {f"r{active.cursor}": 1}), now)
             if active.type is StepType.NORMAL:
                 completed.append(active.cursor)
@@ -100,6 +112,6 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(flow:
 
     # Nothing is emitted once stopped: every step event is stale.
     for seq in seen_seqs + [task.seq + 1]:
-        for event in (Started(seq), Succeeded(seq), Failed(seq, "late"), Due(seq)):
+        for event in (Started(seq), Succeeded(seq), Failed(seq, "late"), Due(seq), Requeue(seq), Expire(seq)):
             late = decide(task, event, now)
             assert late.ignored and not late.messages and late.task is task

@@ -50,7 +50,7 @@ def upgrade() -> None:
     op.create_index("ix_af_tasks_flow_created", "af_tasks", ["flow", "created_at"])
     op.create_index("ix_af_tasks_user_created", "af_tasks", ["user_id", "created_at"])
     op.create_index("ix_af_tasks_status_created", "af_tasks", ["status", "created_at"])
-    op.create_index("ix_af_tasks_phase_due", "af_tasks", ["active_phase", "due_at"])
+    op.create_index("ix_af_tasks_due", "af_tasks", ["due_at"])
 
     op.create_table(
         "af_attempts",
