@@ -8,6 +8,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from shared.saga import InvalidAction
 from shared.service import ServiceError
@@ -24,17 +25,36 @@ class MalformedBody(ServiceError):
     status_code = 400
 
 
-def _body(status: int, error: str, detail: list | None = None) -> JSONResponse:
+# FastAPI's answer to a body it cannot parse at all (json.loads raised something
+# other than a syntax error): invalid UTF-8, nesting past the recursion limit, an
+# integer with more than 4300 digits.
+_UNPARSABLE = "There was an error parsing the body"
+
+
+def _body(status: int, error: str, detail: list | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     content: dict = {"error": error}
     if detail is not None:
         content["detail"] = detail
-    return JSONResponse(status_code=status, content=content)
+    return JSONResponse(status_code=status, content=content, headers=headers)
 
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        return _body(exc.status_code, str(exc))
+        return _body(exc.status_code, str(exc), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """The framework's own errors (unknown route, wrong method, unparsable body), in our format."""
+        if exc.status_code == 400 and exc.detail == _UNPARSABLE:
+            message = "malformed JSON body: cannot parse it (not UTF-8, nested too deeply, or a number too long)"
+        elif exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path[:200]}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path[:200]}"
+        else:
+            message = str(exc.detail)
+        return _body(exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(InvalidAction)
     async def invalid_action(_: Request, exc: InvalidAction) -> JSONResponse:

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
+from oss_api.limits import json_problem
 from shared.states import Phase, StepState, StepType, TaskStatus
 from shared.storage import AttemptRecord
 from shared.task import Step, Task
 
 TASK_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _printable(value: str | None) -> str | None:
+    if value is not None and _CONTROL.search(value):
+        raise PydanticCustomError("control_character", "must not contain control characters")
+    return value
+
+
+# A user id: free text up to 128 characters, without control characters (NUL above all,
+# which PostgreSQL cannot store).
+UserId = Annotated[str | None, Field(max_length=128), AfterValidator(_printable)]
 
 
 class SubmitRequest(BaseModel):
@@ -21,12 +36,22 @@ class SubmitRequest(BaseModel):
         default_factory=dict, description="Shared Parameters (a JSON object, at most 64 KiB)"
     )
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
-    user_id: str | None = Field(default=None, max_length=128)
+    user_id: UserId = Field(
+        default=None, description="Owner of the task; with API keys, defaults to the caller's user"
+    )
     task_id: str | None = Field(
         default=None,
         pattern=TASK_ID,
         description="Client-chosen id; submitting it again returns the stored task (idempotent)",
     )
+
+    @field_validator("parameters")
+    @classmethod
+    def _storable(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problem = json_problem(value, "parameters")
+        if problem:
+            raise PydanticCustomError("unstorable_json", "{problem}", {"problem": problem})
+        return value
 
 
 class StepDocument(BaseModel):

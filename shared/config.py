@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_HOME = Path(".asyncflow")
@@ -56,6 +56,15 @@ class Settings(BaseSettings):
     migrate_on_start: bool = True
 
     log_level: str = Field(default="INFO")
+
+    # --- API keys (oss_api/auth.py; README "Authentication and tenancy").
+    # Authentication is on when at least one key is configured, here or in the file.
+    # "KEY=user" or "KEY=user:admin", comma-separated.
+    api_keys: SecretStr = SecretStr("")
+    # YAML or JSON mapping: KEY: {user: NAME, admin: false}.
+    api_keys_file: Path | None = None
+    # The key the CLI client sends (Authorization: Bearer ...).
+    api_key: SecretStr | None = None
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'asyncflow.sqlite'}"

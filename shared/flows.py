@@ -16,7 +16,7 @@ the file, the flow and the field.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -185,7 +185,7 @@ def parse_flows(data: Any, source: str = "flows.yaml") -> FlowSet:
     return FlowSet(flows, parsed.modules, source)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys: a second flow of the same name
     would otherwise silently replace the first."""
 
@@ -193,6 +193,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                # What SafeLoader says too, but before `key in seen` fails with a TypeError.
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, "found unhashable key", key_node.start_mark
+                )
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark
@@ -204,13 +209,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_flows(path: Path | str, check_commands: bool = False) -> FlowSet:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise FlowsError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise FlowsError([f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}"]) from exc
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise FlowsError([f"{path}: not valid YAML: {exc}"]) from exc
+    except RecursionError:
+        # PyYAML builds nested collections recursively.
+        raise FlowsError([f"{path}: not valid YAML: nested too deeply"]) from None
     flows = parse_flows(data, str(path))
     if check_commands:
         flows.check_commands()

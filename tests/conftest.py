@@ -26,3 +26,8 @@ def require_service(name: str, problem: str | None) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{message} (CI=true: real-service tests must run)")
     pytest.skip(message)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Fault tests stop shared services (RabbitMQ, PostgreSQL): run them last."""
+    items.sort(key=lambda item: item.get_closest_marker("faults") is not None)

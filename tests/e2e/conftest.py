@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -42,14 +44,17 @@ def _pg_admin() -> tuple[psycopg.Connection, str]:
 
 class PostgresDatabase:
     def __init__(self) -> None:
-        self.admin, user = _pg_admin()
-        self.name = unique("af_e2e")
-        self.admin.execute(f'CREATE DATABASE "{self.name}"')
+        admin, user = _pg_admin()
+        with admin:
+            self.name = unique("af_e2e")
+            admin.execute(f'CREATE DATABASE "{self.name}"')
         self.url = f"postgresql+psycopg://{user}@127.0.0.1:5432/{self.name}"
 
     def drop(self) -> None:
-        self.admin.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
-        self.admin.close()
+        # A fresh connection: the server may have been restarted by a fault test.
+        admin, _ = _pg_admin()
+        with admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
 
 
 def _rabbitmq_url() -> tuple[str, str | None]:
@@ -72,32 +77,47 @@ def _drop_vhost(vhost: str | None) -> None:
         subprocess.run(["rabbitmqctl", "delete_vhost", vhost], capture_output=True, timeout=60)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    backend: str = request.param
-    home: Path = tmp_path_factory.mktemp(backend)
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("ASYNCFLOW_")}
-    cleanups = []
-    if backend == "embedded":
-        groups = [["alpha", "beta", "monitor"]]
-    else:
+@contextmanager
+def open_stack(
+    backend: str,
+    home: Path,
+    env: dict[str, str] | None = None,
+    groups: list[list[str]] | None = None,
+) -> Iterator[Stack]:
+    """A running stack on ``backend`` with a database and a vhost of its own.
+
+    ``groups``: one worker process per list of modules; None runs `asyncflow up`.
+    """
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCFLOW_")}
+    full_env = base | (env or {})
+    cleanups: list[Callable[[], None]] = []
+    if backend != "embedded":
         db = PostgresDatabase()
         cleanups.append(db.drop)
-        env["ASYNCFLOW_DATABASE_URL"] = db.url
+        full_env["ASYNCFLOW_DATABASE_URL"] = db.url
         if backend == "postgres-rabbitmq":
             url, vhost = _rabbitmq_url()
             cleanups.append(lambda: _drop_vhost(vhost))
         else:
             require_service("Redis", _reachable(6379))
             url = f"redis://127.0.0.1:6379/{random.randint(1, 15)}"
-        env["ASYNCFLOW_BROKER_URL"] = url
-        # Separate consumer processes per module, as deployed.
-        groups = [["alpha"], ["beta", "monitor"]]
-    s = Stack(backend, home, env, groups)
+        full_env["ASYNCFLOW_BROKER_URL"] = url
+        if full_env.get("ASYNCFLOW_MYSQL_ADMIN_URL") == "database":
+            full_env["ASYNCFLOW_MYSQL_ADMIN_URL"] = db.url
+    stack = Stack(backend, home, full_env, groups)
     try:
-        s.start()
-        yield s
+        stack.start()
+        yield stack
     finally:
-        s.stop()
+        stack.stop()
         for cleanup in reversed(cleanups):
             cleanup()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    backend: str = request.param
+    # Embedded: one worker for all; otherwise separate consumers per module, as deployed.
+    groups = [["alpha", "beta", "monitor"]] if backend == "embedded" else [["alpha"], ["beta", "monitor"]]
+    with open_stack(backend, tmp_path_factory.mktemp(backend), groups=groups) as s:
+        yield s

@@ -105,6 +105,21 @@ class Stack:
         except httpx.TransportError:
             return False
 
+    def kill(self, key: str, sig: int = signal.SIGKILL, group: bool = True) -> None:
+        """Signal one process (or its whole process group: the worker and its pool)."""
+        proc = self.procs[key]
+        if proc.poll() is None:
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+
+    def respawn(self, key: str) -> None:
+        """Start ``key`` again with the command line it had."""
+        args = [str(a) for a in self.procs[key].args[3:]]  # after: python -m asyncflow
+        self.procs[key].wait(timeout=60)
+        self.spawn(key, *args)
+
     def log(self, key: str) -> str:
         path = self.home / f"{key}.log"
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""

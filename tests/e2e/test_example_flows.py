@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from modules import _db, monitor, mysql, resource
 from shared.config import Settings
-from tests.e2e.conftest import PostgresDatabase, _drop_vhost, _rabbitmq_url
+from tests.e2e.conftest import open_stack
 from tests.e2e.stack import REPO, Stack, unique, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -22,33 +21,16 @@ pytestmark = pytest.mark.e2e
 REQUEST = ["--param", "Cpu=4", "--param", "Memory=8", "--param", "Storage=500"]
 
 
-@pytest.fixture(scope="module", params=["embedded-up", "postgres-rabbitmq"])
+@pytest.fixture(scope="module", params=["embedded", "postgres-rabbitmq"])
 def example(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    home: Path = tmp_path_factory.mktemp(request.param)
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("ASYNCFLOW_")}
-    env["ASYNCFLOW_FLOWS"] = str(REPO / "flows.yaml")
-    cleanups = []
-    groups: list[list[str]] | None = None
+    env = {"ASYNCFLOW_FLOWS": str(REPO / "flows.yaml")}
+    groups = None  # embedded: everything through `asyncflow up`, as a user starts it
     if request.param == "postgres-rabbitmq":
-        db = PostgresDatabase()
-        cleanups.append(db.drop)
-        url, vhost = _rabbitmq_url()
-        cleanups.append(lambda: _drop_vhost(vhost))
-        env.update(
-            ASYNCFLOW_DATABASE_URL=db.url,
-            ASYNCFLOW_BROKER_URL=url,
-            ASYNCFLOW_MYSQL_ADMIN_URL=db.url,
-        )
+        env["ASYNCFLOW_MYSQL_ADMIN_URL"] = "database"  # instances on the test's PostgreSQL
         groups = [["resource"], ["mysql"], ["monitor"]]
-    stack = Stack(request.param, home, env, groups)
-    try:
-        stack.start()
+    with open_stack(request.param, tmp_path_factory.mktemp(request.param), env, groups) as stack:
         yield stack
-    finally:
-        stack.stop()
-        _db.dispose_engines()
-        for cleanup in reversed(cleanups):
-            cleanup()
+    _db.dispose_engines()
 
 
 def settings_of(stack: Stack) -> Settings:

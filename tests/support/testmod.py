@@ -9,6 +9,7 @@ Parameters read (cursor = step index):
   poll: {"cursor": n}          the normal command answers "poll later" n times first
   hang_first: [cursors]        blocks on the first attempt only
   fail_if_exists: {"cursor": path}  fails while that file exists
+  wait_for_file: {"cursor": path}   works until that file exists (an external job)
 Every execution is appended to the file named by $TESTMOD_JOURNAL, so tests can
 check what really ran, in which order, besides what the database says.
 """
@@ -49,6 +50,9 @@ def _do(ctx: StepContext) -> dict[str, Any] | PollLater:
                 continue
     if ctx.cursor in p.get("hang_first", []) and ctx.attempt == 1:
         threading.Event().wait()
+    signal_file = p.get("wait_for_file", {}).get(key)
+    while signal_file and not os.path.exists(signal_file):
+        threading.Event().wait(0.05)
     guard = p.get("fail_if_exists", {}).get(key)
     if guard and os.path.exists(guard):
         raise RuntimeError(f"{guard} exists")

@@ -1,0 +1,149 @@
+"""Fault injection: killed consumers, lost and duplicated messages, broker and
+database outages, shutdowns. Each test injects one fault into a running stack
+and checks that every accepted task still ends, with each step's effect once.
+
+These tests stop RabbitMQ and PostgreSQL for a few seconds; run them alone
+(`pytest -m faults`), as CI does at the end of the suite.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.config import Settings
+from shared.messaging import STEP_TASK, make_celery, queue_name
+from tests.e2e.conftest import open_stack
+from tests.e2e.stack import Stack, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+
+TIMING = {
+    "ASYNCFLOW_REQUEUE_AFTER": "2",
+    "ASYNCFLOW_EXPIRE_GRACE": "2",
+    "ASYNCFLOW_PUBLISH_RETRY": "0.5",
+    "ASYNCFLOW_SHUTDOWN_GRACE": "3",
+    "ASYNCFLOW_OUTCOME_PATIENCE": "60",
+}
+BETA = "worker-beta+monitor"
+
+
+@pytest.fixture(scope="module", params=["embedded", "postgres-rabbitmq"])
+def faulty(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = tmp_path_factory.mktemp("faults-" + request.param)
+    with open_stack(request.param, home, TIMING, [["alpha"], ["beta", "monitor"]]) as stack:
+        yield stack
+
+
+def started(stack: Stack, task_id: str, cursor: int, attempt: int = 1) -> dict:
+    return wait_for(
+        lambda: next(
+            (e for e in stack.executions(task_id) if e["cursor"] == cursor and e["attempt"] == attempt),
+            None,
+        ),
+        30,
+        f"step {cursor} attempt {attempt} of {task_id} to start",
+    )
+
+
+def runs_of(stack: Stack, task_id: str) -> list[tuple[int, int, int]]:
+    return [(e["cursor"], e["type"], e["attempt"]) for e in stack.executions(task_id)]
+
+
+def test_consumer_killed_mid_step_is_recovered_by_the_expiry_sweep(faulty: Stack, tmp_path: Path) -> None:
+    gate = tmp_path / "go"
+    task = faulty.submit("short", {"wait_for_file": {"1": str(gate)}})
+    started(faulty, task["task_id"], 1)
+    faulty.kill(BETA)  # kill -9 of the worker and its pool, mid-step
+    killed_at = time.monotonic()
+    gate.touch()
+    faulty.respawn(BETA)
+    doc = faulty.wait_stopped(task["task_id"], timeout=60)
+    recovery = time.monotonic() - killed_at
+    assert doc["task_status"] == 0, doc
+    step1 = [a for a in doc["attempts"] if a["cursor"] == 1]
+    assert [a["outcome"] for a in step1] == ["expired", "succeeded"]
+    # timeout 3 s + grace 2 s, plus a sweep tick and a restart.
+    assert recovery < 3 + 2 + 15, recovery
+
+
+def test_message_lost_after_commit_is_published_again(faulty: Stack) -> None:
+    faulty.kill(BETA)
+    task = faulty.submit("short", {})
+    wait_for(lambda: faulty.get(task["task_id"])["task_cursor"] == 1, 30, "step 1 to be queued")
+    app = make_celery(Settings(broker_url=faulty.env.get("ASYNCFLOW_BROKER_URL"), home=faulty.home))
+    with app.connection_for_write() as conn:
+        purged = conn.default_channel.queue_purge(queue_name("beta"))
+    assert purged == 1  # the step message is gone; only the database knows about it
+    faulty.respawn(BETA)
+    doc = faulty.wait_stopped(task["task_id"], timeout=60)
+    assert doc["task_status"] == 0, doc
+    assert runs_of(faulty, task["task_id"]) == [(0, 0, 1), (1, 0, 1)]
+
+
+def test_replayed_message_is_acknowledged_and_ignored(faulty: Stack) -> None:
+    task = faulty.submit("short", {})
+    doc = faulty.wait_stopped(task["task_id"])
+    assert doc["task_status"] == 0
+    step1 = next(a for a in doc["attempts"] if a["cursor"] == 1)
+    payload = {
+        "task_id": task["task_id"], "flow": "short", "seq": step1["seq"], "cursor": 1, "type": 0,
+        "attempt": 1, "module": "beta", "command": "step", "timeout": 3, "retry": 2, "parameters": {},
+    }
+    app = make_celery(Settings(broker_url=faulty.env.get("ASYNCFLOW_BROKER_URL"), home=faulty.home))
+    for _ in range(3):
+        app.send_task(STEP_TASK, args=[payload], queue=queue_name("beta"))
+    wait_for(lambda: faulty.log(BETA).count("stale step message ignored") >= 3, 30, "the replays")
+    assert runs_of(faulty, task["task_id"]) == [(0, 0, 1), (1, 0, 1)]
+    assert faulty.get(task["task_id"])["attempts"] == doc["attempts"]
+
+
+def test_sigterm_lets_the_running_attempt_finish(faulty: Stack, tmp_path: Path) -> None:
+    gate = tmp_path / "go"
+    task = faulty.submit("short", {"wait_for_file": {"1": str(gate)}})
+    started(faulty, task["task_id"], 1)
+    faulty.kill(BETA, signal.SIGTERM, group=False)
+    gate.touch()
+    assert faulty.procs[BETA].wait(timeout=20) == 0
+    doc = faulty.wait_stopped(task["task_id"])
+    assert doc["task_status"] == 0, doc
+    assert [a["outcome"] for a in doc["attempts"] if a["cursor"] == 1] == ["succeeded"]
+    faulty.respawn(BETA)
+
+
+def test_sigterm_gives_up_on_a_stuck_attempt_after_the_grace(faulty: Stack) -> None:
+    task = faulty.submit("short", {"hang_first": [1]})
+    started(faulty, task["task_id"], 1)
+    stopping = time.monotonic()
+    faulty.kill(BETA, signal.SIGTERM, group=False)
+    faulty.procs[BETA].wait(timeout=30)
+    assert time.monotonic() - stopping < 3 + 10  # shutdown_grace 3 s
+    faulty.respawn(BETA)
+    doc = faulty.wait_stopped(task["task_id"], timeout=60)
+    assert doc["task_status"] == 0, doc
+    step1 = [a for a in doc["attempts"] if a["cursor"] == 1]
+    assert step1[0]["outcome"] == "failed" and "worker stopped" in step1[0]["error"]
+    assert step1[-1]["outcome"] == "succeeded"
+
+
+def test_api_killed_between_requests_loses_nothing(faulty: Stack) -> None:
+    task_id = "api-kill-" + str(time.time_ns())
+    first = faulty.submit("short", {}, task_id=task_id)
+    faulty.kill("api")
+    faulty.respawn("api")
+    wait_for(lambda: _answers(faulty), 30, "the API to come back")
+    again = faulty.submit("short", {}, task_id=task_id)
+    assert again["time_create"] == first["time_create"]
+    assert faulty.wait_stopped(task_id)["task_status"] == 0
+
+
+def _answers(stack: Stack) -> bool:
+    try:
+        return httpx.get(stack.url + "/healthz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
