@@ -20,7 +20,9 @@ def _settings() -> Settings:
 
 
 def _client() -> ApiClient:
-    return ApiClient(_settings().resolved_api_url())
+    settings = _settings()
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    return ApiClient(settings.resolved_api_url(), api_key=key)
 
 
 @click.group()
@@ -39,6 +41,7 @@ def up(port: int | None) -> None:
 
     settings = _settings()
     flows = _load(settings.flows, check_commands=True)
+    _check_api_keys(settings)
     sys.exit(run_all(settings, port or settings.api_port, sorted(flows.module_names())))
 
 
@@ -51,6 +54,7 @@ def api(host: str | None, port: int | None) -> None:
 
     settings = _settings()
     _load(settings.flows)
+    _check_api_keys(settings)
     run_api(settings, host or settings.api_host, port or settings.api_port)
 
 
@@ -185,6 +189,17 @@ def _load(path: Path, check_commands: bool = False):  # type: ignore[no-untyped-
         return load_flows(path, check_commands=check_commands)
     except FlowsError as exc:
         _fail(exc)
+
+
+def _check_api_keys(settings: Settings) -> None:
+    """Fail at start-up, with the file and entry, on unusable API keys (the API would anyway)."""
+    from oss_api.auth import AuthConfigError, load_keys
+
+    try:
+        load_keys(settings)
+    except AuthConfigError as exc:
+        click.echo(str(exc), err=True)
+        raise SystemExit(2) from None
 
 
 def _fail(exc: FlowsError) -> NoReturn:

@@ -19,9 +19,13 @@ STOPPED = {0, 4, 5, 6}
 
 
 class ApiClient:
-    def __init__(self, base_url: str) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None = None, transport: httpx.BaseTransport | None = None
+    ) -> None:
+        """``api_key`` (``$ASYNCFLOW_API_KEY``) is sent as ``Authorization: Bearer <key>``."""
         self.base_url = base_url
-        self.http = httpx.Client(base_url=base_url, timeout=30)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url, timeout=30, headers=headers, transport=transport)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
@@ -35,6 +39,8 @@ class ApiClient:
                 message = response.json().get("error", response.text)
             except ValueError:
                 message = response.text
+            if response.status_code == 401:
+                message = f"{message} (set ASYNCFLOW_API_KEY to a key the API accepts)"
             raise click.ClickException(f"{response.status_code}: {message}")
         return response.json()
 

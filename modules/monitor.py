@@ -96,10 +96,21 @@ def report_event(ctx: StepContext) -> dict[str, Any]:
     return {}
 
 
+def _event_key(ctx: StepContext) -> str:
+    """One event per step execution, whatever the attempt.
+
+    A retry after a lost attempt (its worker died after recording the event)
+    must not report the same event twice. Alarms carry their own key.
+    """
+    if ctx.key is not None:
+        return ctx.key
+    return f"{ctx.task_id}:{ctx.cursor}:{ctx.step_type}"
+
+
 def _event_row(ctx: StepContext) -> dict[str, Any]:
     alarm = ctx.parameters.get("Alarm")
     return {
-        "idempotency_key": ctx.idempotency_key,
+        "idempotency_key": _event_key(ctx),
         "task_id": ctx.task_id,
         "flow": ctx.flow,
         "kind": "alarm" if alarm else "event",

@@ -11,9 +11,11 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from oss_api import errors
+from oss_api.auth import CallerDep, caller, list_user, load_keys, log_mode, submit_user, visible_task
 from oss_api.errors import MalformedBody, RequestTooLarge
 from oss_api.limits import BodyLimit
-from oss_api.schemas import SubmitRequest, TaskDocument, TaskList
+from oss_api.schemas import SubmitRequest, TaskDocument, TaskList, UserId
+from shared.flows import NAME
 from shared.runtime import Runtime
 from shared.saga import Cancel, Resume, Retry
 from shared.service import TaskService
@@ -24,13 +26,19 @@ log = logging.getLogger(__name__)
 
 
 def create_app(runtime: Runtime) -> FastAPI:
+    """Raises :class:`oss_api.auth.AuthConfigError` when the configured API keys are unusable."""
     settings = runtime.settings
+    keys = load_keys(settings)
     app = FastAPI(
         title="Asyncflow",
         version="0.1.0",
-        description="Submit multi-step tasks by flow name, watch them, cancel, retry, resume.",
+        description="Submit multi-step tasks by flow name, watch them, cancel, retry, resume. "
+        "With API keys configured, /api needs `Authorization: Bearer <key>` (or `X-API-Key`); "
+        "/healthz, /metrics, /docs and /openapi.json stay open.",
     )
     app.state.runtime = runtime
+    app.state.api_keys = keys
+    log_mode(keys)
     errors.install(app)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
@@ -60,15 +68,20 @@ def _task_routes(runtime: Runtime) -> APIRouter:
     @router.post("/tasks", status_code=201, response_model=TaskDocument)
     def submit(
         body: SubmitRequest,
+        who: CallerDep,
         svc: Service,
         response: Response,
         idempotency_key: Annotated[str | None, Header(max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")] = None,
     ) -> TaskDocument:
+        user_id = submit_user(who, body.user_id)
         try:
             size = len(json.dumps(body.parameters, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
         except ValueError:
-            # Python's parser accepts NaN/Infinity; JSON (and PostgreSQL's jsonb) does not.
-            raise MalformedBody("malformed JSON body: NaN and Infinity are not JSON numbers") from None
+            # Python's parser accepts NaN/Infinity (and reads 1e400 as Infinity); JSON
+            # (and PostgreSQL's jsonb) does not.
+            raise MalformedBody(
+                "malformed JSON body: NaN and Infinity are not JSON numbers (1e400 and beyond overflow to Infinity)"
+            ) from None
         if size > settings.max_parameters_bytes:
             raise RequestTooLarge(
                 f"parameters are {size} bytes; the limit is {settings.max_parameters_bytes}"
@@ -77,7 +90,7 @@ def _task_routes(runtime: Runtime) -> APIRouter:
             body.flow,
             body.parameters,
             priority=body.priority,
-            user_id=body.user_id,
+            user_id=user_id,
             task_id=body.task_id or idempotency_key,
         )
         if not created:
@@ -85,38 +98,42 @@ def _task_routes(runtime: Runtime) -> APIRouter:
         return TaskDocument.of(task)
 
     @router.get("/tasks/{task_id}", response_model=TaskDocument)
-    def get_task(task_id: str, svc: Service) -> TaskDocument:
-        return TaskDocument.of(svc.get(task_id), svc.attempts(task_id))
+    def get_task(task_id: str, who: CallerDep, svc: Service) -> TaskDocument:
+        return TaskDocument.of(visible_task(svc, who, task_id), svc.attempts(task_id))
 
     @router.get("/tasks", response_model=TaskList)
     def list_tasks(
+        who: CallerDep,
         svc: Service,
-        flow: str | None = None,
+        flow: Annotated[str | None, Query(pattern=NAME)] = None,
         status: Annotated[int | None, Query(ge=0, le=6)] = None,
-        user_id: str | None = None,
+        user_id: Annotated[UserId, Query()] = None,
         limit: Annotated[int, Query(ge=1, le=settings.list_limit_max)] = 50,
     ) -> TaskList:
         where = TaskFilter(
             flow=flow,
             status=TaskStatus(status) if status is not None else None,
-            user_id=user_id,
+            user_id=list_user(who, user_id),
             limit=limit,
         )
         return TaskList(tasks=[TaskDocument.of(t) for t in svc.list(where)])
 
     @router.post("/tasks/{task_id}/cancel", response_model=TaskDocument)
-    def cancel(task_id: str, svc: Service) -> TaskDocument:
+    def cancel(task_id: str, who: CallerDep, svc: Service) -> TaskDocument:
+        visible_task(svc, who, task_id)
         return TaskDocument.of(svc.operate(task_id, Cancel()))
 
     @router.post("/tasks/{task_id}/retry", response_model=TaskDocument)
-    def retry(task_id: str, svc: Service) -> TaskDocument:
+    def retry(task_id: str, who: CallerDep, svc: Service) -> TaskDocument:
+        visible_task(svc, who, task_id)
         return TaskDocument.of(svc.operate(task_id, Retry()))
 
     @router.post("/tasks/{task_id}/resume", response_model=TaskDocument)
-    def resume(task_id: str, svc: Service) -> TaskDocument:
+    def resume(task_id: str, who: CallerDep, svc: Service) -> TaskDocument:
+        visible_task(svc, who, task_id)
         return TaskDocument.of(svc.operate(task_id, Resume()))
 
-    @router.get("/flows", tags=["flows"])
+    @router.get("/flows", tags=["flows"], dependencies=[Depends(caller)])
     def list_flows() -> dict[str, Any]:
         return {
             "flows": [

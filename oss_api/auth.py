@@ -72,8 +72,10 @@ ANONYMOUS = Caller(user=None, admin=True)
 class KeyTable:
     """Caller by SHA-256 digest of the key."""
 
-    def __init__(self, callers: dict[bytes, Caller]) -> None:
+    def __init__(self, callers: dict[bytes, Caller], placeholders: tuple[str, ...] = ()) -> None:
         self._callers = callers
+        # Users whose key is still a "change-me..." placeholder (docker-compose.yml's default).
+        self.placeholders = placeholders
 
     @property
     def enabled(self) -> bool:
@@ -105,13 +107,16 @@ def load_keys(settings: Settings) -> KeyTable:
     # An empty ASYNCFLOW_API_KEYS_FILE arrives as Path("."): treat it as unset.
     if path is not None and str(path) not in ("", "."):
         entries += _file_entries(Path(path))
+    placeholders = []
     for key, caller, source in entries:
         digest = _digest(key)
         if digest in callers:
             raise AuthConfigError(f"{source}: the same key is already configured by {where[digest]}")
         callers[digest] = caller
         where[digest] = source
-    return KeyTable(callers)
+        if key.lower().startswith("change-me"):
+            placeholders.append(str(caller.user))
+    return KeyTable(callers, tuple(placeholders))
 
 
 def _check(source: str, key: Any, user: Any, admin: bool) -> tuple[str, Caller, str]:
@@ -153,13 +158,15 @@ def _file_entries(path: Path) -> Iterator[tuple[str, Caller, str]]:
         source = f"{path}: entry {n}"
         if not isinstance(value, dict):
             raise AuthConfigError(f"{source}: expected {{user: NAME, admin: false}}")
+        user = value.get("user")
+        named = f"{source} (user {user!r})" if isinstance(user, str) and USER.fullmatch(user) else source
         unknown = sorted(str(k) for k in value if k not in ("user", "admin"))
         if unknown:
-            raise AuthConfigError(f"{source}: unknown field(s) {', '.join(unknown)} (allowed: user, admin)")
+            raise AuthConfigError(f"{named}: unknown field(s) {', '.join(unknown)} (allowed: user, admin)")
         admin = value.get("admin", False)
         if not isinstance(admin, bool):
-            raise AuthConfigError(f"{source}: admin must be true or false")
-        yield _check(source, key, value.get("user"), admin)
+            raise AuthConfigError(f"{named}: admin must be true or false")
+        yield _check(source, key, user, admin)
 
 
 def _read_key_file(path: Path) -> Any:
@@ -264,6 +271,11 @@ def visible_task(svc: TaskService, who: Caller, task_id: str) -> Task:
 def log_mode(keys: KeyTable) -> None:
     if keys.enabled:
         log.info("API authentication is on: %d key(s), %d with the admin scope", len(keys), keys.admins())
+        if keys.placeholders:
+            log.warning(
+                "the API key of %s is still a 'change-me' placeholder: set real keys in ASYNCFLOW_API_KEYS",
+                ", ".join(repr(u) for u in keys.placeholders),
+            )
     else:
         log.warning(
             "API authentication is OFF: anyone who can reach this port can read and act on every task; "

@@ -120,9 +120,10 @@ class Stack:
         self.procs[key].wait(timeout=60)
         self.spawn(key, *args)
 
-    def log(self, key: str) -> str:
+    def log(self, key: str, tail: int | None = 4000) -> str:
         path = self.home / f"{key}.log"
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return text[-tail:] if tail else text
 
     def stop(self) -> None:
         for proc in self.procs.values():

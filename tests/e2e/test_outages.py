@@ -64,7 +64,7 @@ def test_database_outage_503_then_recovery_without_restart(outage: Stack, tmp_pa
         refused = httpx.post(outage.url + "/api/tasks", json={"flow": "short"}, timeout=10)
         assert refused.status_code == 503
         gate.touch()  # the handler finishes while the database is down
-        wait_for(lambda: "storing the outcome again" in outage.log(BETA), 30, "the outcome retries")
+        wait_for(lambda: "storing the outcome again" in outage.log(BETA, tail=None), 30, "the outcome retries")
     finally:
         subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "start"],
                        check=True, capture_output=True, timeout=120)

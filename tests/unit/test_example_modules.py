@@ -389,16 +389,18 @@ def test_check_and_drop_instance_deprovision_by_name(
 # ---------------------------------------------------------------- monitor
 
 
-def test_an_event_is_recorded_once_per_idempotency_key(settings: Settings) -> None:
+def test_an_event_is_recorded_once_per_step_execution(settings: Settings) -> None:
     task = new_task()
     params = {"Cpu": 2}
     delivery = step(settings, task, params, step_type=1)
     monitor.report_event(delivery)
     monitor.report_event(delivery)  # the same attempt delivered again
+    # A second attempt after a lost first one (it had recorded the event) adds nothing.
     monitor.report_event(step(settings, task, params, step_type=1, attempt=2))
+    monitor.report_event(step(settings, task, params, step_type=0))  # another step: recorded
 
     recorded = monitor.events(settings, task)
-    assert [e["idempotency_key"] for e in recorded] == [f"{task}:0:1:1", f"{task}:0:1:2"]
+    assert [e["idempotency_key"] for e in recorded] == [f"{task}:0:1", f"{task}:0:0"]
     assert recorded[0]["kind"] == "event" and recorded[0]["payload"] == params
     assert monitor.events(settings, "another-task") == []
 
@@ -475,7 +477,7 @@ def test_the_webhook_receives_each_event_once(
     [posted] = server.received
     assert posted["task_id"] == task and posted["kind"] == "alarm"
     assert posted["payload"] == {"Alarm": "rollback_failed"}
-    assert posted["idempotency_key"] == delivery.idempotency_key
+    assert posted["idempotency_key"] == f"{task}:0:1"
     assert monitor.events(settings, task)[0]["delivered_at"] is not None
 
 
