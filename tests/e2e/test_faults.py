@@ -98,7 +98,7 @@ def test_replayed_message_is_acknowledged_and_ignored(faulty: Stack) -> None:
     app = make_celery(Settings(broker_url=faulty.env.get("ASYNCFLOW_BROKER_URL"), home=faulty.home))
     for _ in range(3):
         app.send_task(STEP_TASK, args=[payload], queue=queue_name("beta"))
-    wait_for(lambda: faulty.log(BETA).count("stale step message ignored") >= 3, 30, "the replays")
+    wait_for(lambda: faulty.log(BETA, tail=None).count("stale step message ignored") >= 3, 30, "the replays")
     assert runs_of(faulty, task["task_id"]) == [(0, 0, 1), (1, 0, 1)]
     assert faulty.get(task["task_id"])["attempts"] == doc["attempts"]
 
