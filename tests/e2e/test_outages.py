@@ -36,18 +36,22 @@ def test_broker_outage_intake_keeps_accepting_and_dispatch_resumes(outage: Stack
         pytest.skip("rabbitmqctl is needed to stop RabbitMQ")
     subprocess.run([ctl, "stop_app"], check=True, capture_output=True, timeout=120)
     try:
-        accepted = []
+        accepted, took = [], []
         for _ in range(5):
             t0 = time.monotonic()
             accepted.append(outage.submit("short", {})["task_id"])
-            assert time.monotonic() - t0 < 10  # accepted without waiting for the broker
+            took.append(time.monotonic() - t0)
+        assert max(took) < 10  # accepted without waiting for the broker
     finally:
         subprocess.run([ctl, "start_app"], check=True, capture_output=True, timeout=120)
     back = time.monotonic()
     for task_id in accepted:
         assert outage.wait_stopped(task_id, timeout=90)["task_status"] == 0
         assert runs_of(outage, task_id) == [(0, 0, 1), (1, 0, 1)]
-    print(f"dispatch resumed; all {len(accepted)} tasks done {time.monotonic() - back:.1f}s after the broker returned")
+    print(
+        f"broker down: {len(accepted)} submits accepted in {', '.join(f'{t * 1000:.0f}' for t in took)} ms; "
+        f"all done {time.monotonic() - back:.1f}s after the broker returned"
+    )
 
 
 def test_database_outage_503_then_recovery_without_restart(outage: Stack, tmp_path: Path) -> None:

@@ -1,0 +1,77 @@
+"""Governance sweeps against real stores: several schedulers at once act once."""
+
+from __future__ import annotations
+
+import threading
+
+from shared.flows import parse_flows
+from shared.saga import Timing
+from shared.service import TaskService
+from shared.states import Phase, StepCode, TaskStatus
+from shared.storage import TaskStore
+from shared.testing import ManualClock, QueuePublisher
+from tests.integration.test_store_contract import store  # noqa: F401 - the parametrized fixture
+
+FLOWS = parse_flows(
+    {"flows": {"one": {"steps": [{"normal": {"module": "m", "command": "c", "timeout": 10}}]}}}
+)
+TIMING = Timing(requeue_after=5, expire_grace=2)
+
+
+def test_concurrent_schedulers_republish_each_lost_message_once(store: TaskStore) -> None:  # noqa: F811
+    clock, publisher = ManualClock(), QueuePublisher()
+    schedulers = [TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING) for _ in range(4)]
+    ids = [schedulers[0].submit("one", {})[0].task_id for _ in range(40)]
+    publisher.messages.clear()  # as if the broker lost every one of them
+    clock.advance(5)
+
+    barrier = threading.Barrier(len(schedulers))
+    changed: list[int] = []
+
+    def sweep(service: TaskService) -> None:
+        barrier.wait(timeout=30)
+        changed.append(service.sweep(limit=1000))
+
+    threads = [threading.Thread(target=sweep, args=(s,)) for s in schedulers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+
+    assert sum(changed) == 40
+    assert sorted(m.task_id for m in publisher.messages) == sorted(ids)
+    assert all(m.seq == 1 for m in publisher.messages)  # the same message again, not a new one
+    assert schedulers[0].sweep() == 0  # nothing due until requeue_after passes again
+
+
+def test_sweep_expires_running_attempts_past_their_deadline(store: TaskStore) -> None:  # noqa: F811
+    from shared.saga import Started
+
+    clock, publisher = ManualClock(), QueuePublisher()
+    service = TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING)
+    task, _ = service.submit("one", {})
+    service.apply(task.task_id, Started(1))  # then its worker dies
+    clock.advance(10 + 2 - 0.01)
+    assert service.sweep() == 0
+    clock.advance(0.02)
+    assert service.sweep() == 1
+    expired = service.get(task.task_id)
+    # One step, no retry, no rollback: the lost attempt fails the task outright.
+    assert expired.status is TaskStatus.FAILED and expired.steps[0].code == StepCode.TIMED_OUT
+    (attempt,) = service.attempts(task.task_id)
+    assert attempt.outcome == "expired"
+
+
+def test_sweep_leaves_queued_messages_while_the_broker_is_down(store: TaskStore) -> None:  # noqa: F811
+    class DownPublisher(QueuePublisher):
+        def healthy(self) -> bool:
+            return False
+
+    clock, publisher = ManualClock(), DownPublisher()
+    service = TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING)
+    task, _ = service.submit("one", {})
+    publisher.messages.clear()
+    clock.advance(100)
+    assert service.sweep() == 0 and not publisher.messages
+    stored = service.get(task.task_id)
+    assert stored.active is not None and stored.active.phase is Phase.QUEUED
