@@ -61,13 +61,19 @@ def api(host: str | None, port: int | None) -> None:
 @main.command()
 @click.argument("modules", nargs=-1, required=True)
 @click.option("--concurrency", "-c", type=int, default=None, help="Pool processes")
-def worker(modules: tuple[str, ...], concurrency: int | None) -> None:
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics of the worker and its pool")
+def worker(modules: tuple[str, ...], concurrency: int | None, metrics_port: int | None) -> None:
     """Consume the queues of MODULES (e.g. `asyncflow worker resource mysql`)."""
+    settings = _settings()
+    port = metrics_port or settings.worker_metrics_port
+    if port:
+        from asyncflow.metrics import prepare_multiprocess
+
+        prepare_multiprocess(settings)  # before anything creates a metric
     from asyncflow.serve import run_worker
 
-    settings = _settings()
     try:
-        run_worker(settings, list(modules), concurrency or settings.worker_concurrency)
+        run_worker(settings, list(modules), concurrency or settings.worker_concurrency, port)
     except FlowsError as exc:
         _fail(exc)
 

@@ -33,8 +33,12 @@ def run_api(settings: Settings, host: str, port: int) -> None:
     uvicorn.run(create_app(runtime), host=host, port=port, log_config=None, access_log=False)
 
 
-def run_worker(settings: Settings, modules: list[str], concurrency: int) -> None:
+def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics_port: int = 0) -> None:
     setup_logging(settings.log_level, "worker")
+    if metrics_port:
+        from asyncflow.metrics import serve_multiprocess
+
+        serve_multiprocess(metrics_port)
     runtime = Runtime(settings)
     consumer = runtime.consumer(modules)
     for module in consumer.modules.values():

@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     list_limit_max: int = 1000
 
     worker_concurrency: int = 2
+    # Port for a worker's Prometheus metrics (its pool processes included); 0 = off.
+    worker_metrics_port: int = 0
     # Seconds past a step's timeout before its process is killed outright.
     hard_timeout_grace: float = 5.0
     scheduler_tick: float = 0.2

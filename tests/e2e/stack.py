@@ -114,11 +114,11 @@ class Stack:
             else:
                 proc.send_signal(sig)
 
-    def respawn(self, key: str) -> None:
-        """Start ``key`` again with the command line it had."""
+    def respawn(self, key: str, *extra: str) -> None:
+        """Start ``key`` again with the command line it had (plus ``extra`` arguments)."""
         args = [str(a) for a in self.procs[key].args[3:]]  # after: python -m asyncflow
         self.procs[key].wait(timeout=60)
-        self.spawn(key, *args)
+        self.spawn(key, *args, *extra)
 
     def log(self, key: str, tail: int | None = 4000) -> str:
         path = self.home / f"{key}.log"

@@ -19,7 +19,7 @@ import pytest
 from shared.config import Settings
 from shared.messaging import STEP_TASK, make_celery, queue_name
 from tests.e2e.conftest import open_stack
-from tests.e2e.stack import Stack, wait_for
+from tests.e2e.stack import Stack, free_port, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -87,6 +87,9 @@ def test_message_lost_after_commit_is_published_again(faulty: Stack) -> None:
 
 
 def test_replayed_message_is_acknowledged_and_ignored(faulty: Stack) -> None:
+    port = free_port()
+    faulty.kill(BETA, signal.SIGTERM, group=False)
+    faulty.respawn(BETA, "--metrics-port", str(port))
     task = faulty.submit("short", {})
     doc = faulty.wait_stopped(task["task_id"])
     assert doc["task_status"] == 0
@@ -98,9 +101,15 @@ def test_replayed_message_is_acknowledged_and_ignored(faulty: Stack) -> None:
     app = make_celery(Settings(broker_url=faulty.env.get("ASYNCFLOW_BROKER_URL"), home=faulty.home))
     for _ in range(3):
         app.send_task(STEP_TASK, args=[payload], queue=queue_name("beta"))
-    wait_for(lambda: faulty.log(BETA, tail=None).count("stale step message ignored") >= 3, 30, "the replays")
+    wait_for(lambda: _stale_count(port) >= 3, 30, "the worker to count 3 stale messages")
     assert runs_of(faulty, task["task_id"]) == [(0, 0, 1), (1, 0, 1)]
     assert faulty.get(task["task_id"])["attempts"] == doc["attempts"]
+
+
+def _stale_count(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    lines = [line for line in text.splitlines() if line.startswith('asyncflow_stale_messages_total{module="beta"}')]
+    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 def test_sigterm_lets_the_running_attempt_finish(faulty: Stack, tmp_path: Path) -> None:
