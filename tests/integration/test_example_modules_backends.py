@@ -33,7 +33,7 @@ from tests.unit.test_example_modules import (  # noqa: F401  (collected again, o
     test_a_name_taken_by_another_task_fails_and_its_rollback_spares_the_owner,
     test_a_retried_task_takes_its_quota_again_after_a_restore,
     test_an_alarm_is_recorded_as_kind_alarm,
-    test_an_event_is_recorded_once_per_idempotency_key,
+    test_an_event_is_recorded_once_per_step_execution,
     test_an_unregistered_database_is_never_adopted_nor_dropped,
     test_bad_parameters_fail_permanently,
     test_check_accepts_a_request_that_fits,

@@ -311,7 +311,7 @@ def test_cli_validate_accepts_a_good_file(testmod_on_path: None, tmp_path: Path)
     path = write(tmp_path, support_flows())
     result = CliRunner().invoke(main, ["flows", "validate", str(path)])
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == f"{path}: 2 flows OK (noop, three)"
+    assert result.stdout.strip() == f"{path}: 3 flows OK (noop, short, three)"
     assert result.stderr == ""
 
 
@@ -356,4 +356,4 @@ def test_cli_validate_defaults_to_asyncflow_flows(
     monkeypatch.setenv("ASYNCFLOW_FLOWS", str(path))
     result = CliRunner().invoke(main, ["flows", "validate"])
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith(f"{path}: 2 flows OK")
+    assert result.stdout.startswith(f"{path}: 3 flows OK")
