@@ -11,13 +11,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from tests.conftest import require_service
 from tests.e2e.stack import Stack, unique
+from tests.integration.conftest import postgres_admin
 
-PG_USERS = ("postgres", "root")
 BACKENDS = ["embedded", "postgres-rabbitmq", "postgres-redis"]
 
 
@@ -29,22 +28,9 @@ def _reachable(port: int) -> str | None:
         return f"nothing listens on 127.0.0.1:{port} ({exc})"
 
 
-def _pg_admin() -> tuple[psycopg.Connection, str]:
-    problem = _reachable(5432)
-    require_service("PostgreSQL", problem)
-    errors = []
-    for user in PG_USERS:
-        try:
-            return psycopg.connect(f"postgresql://{user}@127.0.0.1:5432/test", autocommit=True), user
-        except psycopg.OperationalError as exc:
-            errors.append(str(exc).strip())
-    require_service("PostgreSQL", "; ".join(errors))
-    raise AssertionError("unreachable")
-
-
 class PostgresDatabase:
     def __init__(self) -> None:
-        admin, user = _pg_admin()
+        admin, user = postgres_admin()
         with admin:
             self.name = unique("af_e2e")
             admin.execute(f'CREATE DATABASE "{self.name}"')
@@ -52,7 +38,7 @@ class PostgresDatabase:
 
     def drop(self) -> None:
         # A fresh connection: the server may have been restarted by a fault test.
-        admin, _ = _pg_admin()
+        admin, _ = postgres_admin()
         with admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
 

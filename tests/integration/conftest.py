@@ -49,8 +49,9 @@ def postgres_schema(migrate: bool = True) -> Iterator[tuple[str, str]]:
     """A fresh schema: yields (SQLAlchemy URL whose search_path is the schema, schema name)."""
     admin, user = postgres_admin()
     schema = f"af_test_{uuid.uuid4().hex[:16]}"
-    try:
+    with admin:
         admin.execute(f'CREATE SCHEMA "{schema}"')
+    try:
         url = (
             f"postgresql+psycopg://{user}@{PG_HOST}/{PG_DATABASE}"
             f"?options=-csearch_path%3D{schema}"
@@ -59,8 +60,10 @@ def postgres_schema(migrate: bool = True) -> Iterator[tuple[str, str]]:
             upgrade(url)
         yield url, schema
     finally:
-        admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        admin.close()
+        # A fresh connection: the fault tests restart the server during the run.
+        admin, _ = postgres_admin()
+        with admin:
+            admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def empty_tables(url: str) -> None:
