@@ -3,7 +3,7 @@ stopped and started, and the API is killed; then an audit of every effect.
 
 The flows are the shipped create_mysql_instance (quota ledger, real instance,
 monitor events) with time limits shortened so lost attempts expire quickly.
-Figures are printed at the end (run with -s to see them).
+The figures are printed in the test run's output.
 """
 
 from __future__ import annotations
@@ -128,7 +128,9 @@ class Chaos(threading.Thread):
             self.error = exc
 
 
-def test_chaos_soak_every_accepted_task_ends_and_the_ledger_balances(chaos: Stack) -> None:
+def test_chaos_soak_every_accepted_task_ends_and_the_ledger_balances(
+    chaos: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
     settings = Settings(home=chaos.home, database_url=chaos.env["ASYNCFLOW_DATABASE_URL"])
     resource.start(settings)
     before = resource.quota(settings)
@@ -183,7 +185,7 @@ def test_chaos_soak_every_accepted_task_ends_and_the_ledger_balances(chaos: Stac
     stale = sum(chaos.log(k, tail=None).count("stale step message ignored") for k in WORKERS)
     expired = sum(1 for d in docs for a in d["attempts"] if a["outcome"] == "expired")
     slowest = max(d["time_end"] - d["time_create"] for d in docs)
-    print(
+    figures = (
         f"\nchaos soak: {len(load.accepted)} tasks accepted ({load.retries} submit retries), "
         f"{sum(1 for d in docs if d['task_status'] == 0)} succeeded, "
         f"{sum(1 for d in docs if d['task_status'] == 4)} compensated; "
@@ -193,3 +195,5 @@ def test_chaos_soak_every_accepted_task_ends_and_the_ledger_balances(chaos: Stac
         f"all terminal {settled - chaotic.last_fault:.1f}s after the last fault; "
         f"run {settled - started:.0f}s"
     )
+    with capsys.disabled():  # the figures belong in the test run's output
+        print(figures)

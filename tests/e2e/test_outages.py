@@ -30,7 +30,9 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield stack
 
 
-def test_broker_outage_intake_keeps_accepting_and_dispatch_resumes(outage: Stack) -> None:
+def test_broker_outage_intake_keeps_accepting_and_dispatch_resumes(
+    outage: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
     ctl = shutil.which("rabbitmqctl")
     if ctl is None:
         pytest.skip("rabbitmqctl is needed to stop RabbitMQ")
@@ -48,10 +50,12 @@ def test_broker_outage_intake_keeps_accepting_and_dispatch_resumes(outage: Stack
     for task_id in accepted:
         assert outage.wait_stopped(task_id, timeout=90)["task_status"] == 0
         assert runs_of(outage, task_id) == [(0, 0, 1), (1, 0, 1)]
-    print(
-        f"broker down: {len(accepted)} submits accepted in {', '.join(f'{t * 1000:.0f}' for t in took)} ms; "
+    figures = (
+        f"\nbroker down: {len(accepted)} submits accepted in {', '.join(f'{t * 1000:.0f}' for t in took)} ms; "
         f"all done {time.monotonic() - back:.1f}s after the broker returned"
     )
+    with capsys.disabled():
+        print(figures)
 
 
 def test_database_outage_503_then_recovery_without_restart(outage: Stack, tmp_path: Path) -> None:
