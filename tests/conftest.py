@@ -7,6 +7,7 @@ under CI (CI=true) they fail instead, so a green CI run means they ran.
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -16,6 +17,15 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("ASYNCFLOW_"):
             monkeypatch.delenv(key)
+
+
+def unreachable(port: int) -> str | None:
+    """Why nothing answers on 127.0.0.1:``port``, or None when something does."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return None
+    except OSError as exc:
+        return f"nothing listens on 127.0.0.1:{port} ({exc})"
 
 
 def require_service(name: str, problem: str | None) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,19 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_service
+from tests.conftest import require_service, unreachable
 from tests.e2e.stack import Stack, unique
 from tests.integration.conftest import postgres_admin
 
 BACKENDS = ["embedded", "postgres-rabbitmq", "postgres-redis"]
-
-
-def _reachable(port: int) -> str | None:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
-        return None
-    except OSError as exc:
-        return f"nothing listens on 127.0.0.1:{port} ({exc})"
 
 
 class PostgresDatabase:
@@ -45,7 +36,7 @@ class PostgresDatabase:
 
 def _rabbitmq_url() -> tuple[str, str | None]:
     """A fresh vhost when rabbitmqctl is at hand, so parallel runs don't share queues."""
-    require_service("RabbitMQ", _reachable(5672))
+    require_service("RabbitMQ", unreachable(5672))
     ctl = shutil.which("rabbitmqctl")
     if ctl is None:
         return "amqp://guest:guest@127.0.0.1:5672//", None
@@ -85,7 +76,7 @@ def open_stack(
             url, vhost = _rabbitmq_url()
             cleanups.append(lambda: _drop_vhost(vhost))
         else:
-            require_service("Redis", _reachable(6379))
+            require_service("Redis", unreachable(6379))
             url = f"redis://127.0.0.1:6379/{random.randint(1, 15)}"
         full_env["ASYNCFLOW_BROKER_URL"] = url
         if full_env.get("ASYNCFLOW_MYSQL_ADMIN_URL") == "database":

@@ -14,7 +14,6 @@ An unreachable server skips these tests locally and fails them under CI=true.
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,8 @@ from psycopg import sql
 
 from modules import _db
 from shared.config import Settings
-from tests.conftest import require_service
+from tests.conftest import require_service, unreachable
+from tests.integration.conftest import postgres_admin
 from tests.unit.test_example_modules import (  # noqa: F401  (collected again, on these backends)
     instance_names,
     test_a_deduct_that_cannot_be_covered_takes_nothing,
@@ -52,20 +52,11 @@ from tests.unit.test_example_modules import (  # noqa: F401  (collected again, o
     test_startup_seeds_the_configured_quota,
 )
 
-PG_USERS = ("postgres", "root")
 MARIADB = {"host": "127.0.0.1", "port": 3306, "user": "root"}
 MARIADB_ADMIN_URL = "mysql+pymysql://root@127.0.0.1:3306/test"
 
 POSTGRES = pytest.param("postgres", marks=pytest.mark.postgres)
 MARIADB_PARAM = pytest.param("mariadb", marks=pytest.mark.mariadb)
-
-
-def _unreachable(port: int) -> str | None:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
-        return None
-    except OSError as exc:
-        return f"nothing listens on 127.0.0.1:{port} ({exc})"
 
 
 @pytest.fixture(autouse=True)
@@ -80,19 +71,9 @@ def _close_engines() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def pg_admin() -> Iterator[tuple[psycopg.Connection, str]]:
     """An autocommit connection to the ``test`` database, and the user that worked."""
-    require_service("PostgreSQL", _unreachable(5432))
-    errors = []
-    for user in PG_USERS:
-        try:
-            url = f"postgresql://{user}@127.0.0.1:5432/test"
-            conn = psycopg.connect(url, autocommit=True, connect_timeout=5)
-        except psycopg.OperationalError as exc:
-            errors.append(f"as {user}: {str(exc).strip()}")
-            continue
-        with conn:
-            yield conn, user
-        return
-    require_service("PostgreSQL", "; ".join(errors))
+    conn, user = postgres_admin()
+    with conn:
+        yield conn, user
 
 
 @pytest.fixture
@@ -146,7 +127,7 @@ class PostgresProbe:
 
 @pytest.fixture(scope="module")
 def mariadb_admin() -> Iterator[pymysql.connections.Connection]:
-    require_service("MariaDB", _unreachable(3306))
+    require_service("MariaDB", unreachable(3306))
     try:
         conn = pymysql.connect(**MARIADB, database="test", autocommit=True, connect_timeout=5)
     except pymysql.MySQLError as exc:

@@ -21,7 +21,6 @@ from shared.flows import load_flows
 from shared.runtime import Runtime
 from shared.states import StepType, TaskStatus
 from shared.storage import InMemoryStore, StorageUnavailable, TaskFilter, TaskStore
-from shared.storage.sql import SqliteStore
 from shared.testing import ManualClock, QueuePublisher
 
 with warnings.catch_warnings():
@@ -77,19 +76,6 @@ class Api:
         )
         while self.publisher.messages:
             consumer.handle(self.publisher.messages.popleft())
-
-
-@pytest.fixture(params=["sqlite", "memory"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskStore]:
-    if request.param == "memory":
-        yield InMemoryStore()
-        return
-    sql = SqliteStore(f"sqlite:///{tmp_path / 'tasks.sqlite'}")
-    sql.create_schema()
-    try:
-        yield sql
-    finally:
-        sql.close()
 
 
 @pytest.fixture

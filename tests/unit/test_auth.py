@@ -29,7 +29,6 @@ from shared.flows import load_flows
 from shared.runtime import Runtime
 from shared.states import TaskStatus
 from shared.storage import InMemoryStore, TaskFilter, TaskStore
-from shared.storage.sql import SqliteStore
 from shared.testing import ManualClock, QueuePublisher
 
 with warnings.catch_warnings():
@@ -74,19 +73,6 @@ class Api:
 
     def stored(self) -> dict[str, tuple[str | None, TaskStatus]]:
         return {t.task_id: (t.user_id, t.status) for t in self.store.list(TaskFilter(limit=1000))}
-
-
-@pytest.fixture(params=["sqlite", "memory"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskStore]:
-    if request.param == "memory":
-        yield InMemoryStore()
-        return
-    sql = SqliteStore(f"sqlite:///{tmp_path / 'tasks.sqlite'}")
-    sql.create_schema()
-    try:
-        yield sql
-    finally:
-        sql.close()
 
 
 def make_app(settings: Settings, store: TaskStore | None = None) -> tuple[TestClient, Runtime]:
