@@ -66,11 +66,12 @@ def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> No
     that passed their deadline."""
     setup_logging(settings.log_level, "scheduler")
     stop = stop or _stop_on_signals()
-    service = Runtime(settings).service
+    runtime = Runtime(settings)
+    service, pull = runtime.service, runtime.pull_service
     log.info("scheduler started, tick %.3fs", settings.scheduler_tick)
     while not stop.is_set():
         try:
-            released = service.sweep()
+            released = service.sweep() + pull.expire()
         except StorageUnavailable as exc:
             log.warning("sweep skipped, database unavailable: %s", exc)
             released = 0

@@ -15,6 +15,7 @@ from oss_api.auth import CallerDep, caller, list_user, load_keys, log_mode, subm
 from oss_api.errors import MalformedBody, RequestTooLarge
 from oss_api.limits import BodyLimit
 from oss_api.schemas import SubmitRequest, TaskDocument, TaskList, UserId
+from oss_api.v1 import v1_routes
 from shared.flows import NAME
 from shared.runtime import Runtime
 from shared.saga import Cancel, Resume, Retry
@@ -43,6 +44,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(_task_routes(runtime))
+    app.include_router(v1_routes(runtime))
 
     @app.get("/healthz", tags=["operations"])
     def healthz() -> dict[str, str]:

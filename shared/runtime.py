@@ -10,9 +10,11 @@ from shared.consumer import StepConsumer
 from shared.flows import FlowsError, FlowSet, load_flows
 from shared.messaging import AsyncflowCelery, CeleryPublisher, make_celery
 from shared.module import Module
+from shared.pull_service import PullService
 from shared.saga import Timing
 from shared.service import Publisher, TaskService
-from shared.storage import TaskStore, open_store
+from shared.storage import SqlStore, TaskStore, open_store
+from shared.storage.pull import PullStore
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,13 @@ class Runtime:
         s = self.settings
         timing = Timing(s.requeue_after, s.expire_grace, s.publish_retry)
         return TaskService(self.store, publisher, self.flows, timing=timing)
+
+    @cached_property
+    def pull_service(self) -> PullService:
+        """The v1 pull-mode tasks; they live in the same SQL database as the saga's."""
+        if not isinstance(self.store, SqlStore):
+            raise RuntimeError("v1 pull-mode tasks need a SQL store")
+        return PullService(PullStore(self.store))
 
     def load_modules(self, names: list[str]) -> dict[str, Module]:
         """Import ``names`` and check they provide every command the flows use."""

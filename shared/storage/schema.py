@@ -72,3 +72,45 @@ attempts = Table(
     Column("outcome", String(16)),
     Column("error", Text),
 )
+
+# --- Asyncflow v1 pull-mode tasks (seed 000) -----------------------------------
+
+task_types = Table(
+    "af_task_types",
+    metadata,
+    Column("task_type", String(64), primary_key=True),
+    Column("schedule_limit", Integer, nullable=False),
+    Column("schedule_interval", Integer, nullable=False),
+    Column("max_processing_time", Integer, nullable=False),
+    Column("max_retry_num", Integer, nullable=False),
+    Column("max_retry_interval", Integer, nullable=False),
+    Column("created_at", Double, nullable=False),
+    Column("updated_at", Double, nullable=False),
+)
+
+pull_tasks = Table(
+    "af_pull_tasks",
+    metadata,
+    Column("task_id", String(64), primary_key=True),
+    Column("task_type", String(64), nullable=False),
+    Column("user_id", String(128), nullable=False),
+    Column("task_stage", String(64), nullable=False),
+    Column("status", SmallInteger, nullable=False),
+    Column("priority", Integer, nullable=False),
+    Column("crt_retry_num", Integer, nullable=False),
+    Column("max_retry_num", Integer, nullable=False),
+    Column("max_retry_interval", Integer, nullable=False),
+    Column("max_processing_time", Integer, nullable=False),
+    Column("schedule_log", Text, nullable=False),
+    Column("task_content", Text, nullable=False),
+    Column("order_time", Double, nullable=False),
+    Column("create_time", Double, nullable=False),
+    Column("modify_time", Double, nullable=False),
+    # modify_time + max_processing_time while running, else NULL: the expiry sweep's index.
+    Column("lease_until", Double),
+    Column("version", Integer, nullable=False),
+    # hold_tasks: pending tasks of a type, smallest order_time first (seed 000 §四.1).
+    Index("ix_af_pull_tasks_hold", "task_type", "status", "order_time"),
+    Index("ix_af_pull_tasks_lease", "lease_until"),
+    Index("ix_af_pull_tasks_type_created", "task_type", "create_time"),
+)

@@ -41,7 +41,7 @@ class SqlStore(TaskStore):
         return create_engine(url, pool_pre_ping=True)
 
     @contextmanager
-    def _tx(self, read_only: bool = False) -> Iterator[Connection]:
+    def transaction(self, read_only: bool = False) -> Iterator[Connection]:
         try:
             with self.engine.connect() as conn:
                 if read_only:
@@ -64,7 +64,7 @@ class SqlStore(TaskStore):
     def create(self, task: Task, now: float) -> tuple[Task, bool]:
         row = task_to_row(task, now) | {"version": 1}
         try:
-            with self._tx() as conn:
+            with self.transaction() as conn:
                 conn.execute(insert(tasks).values(**row))
             return task_from_row(row), True
         except IntegrityError:
@@ -76,7 +76,7 @@ class SqlStore(TaskStore):
             return stored, False
 
     def get(self, task_id: str) -> Task | None:
-        with self._tx(read_only=True) as conn:
+        with self.transaction(read_only=True) as conn:
             row = conn.execute(select(tasks).where(tasks.c.task_id == task_id)).first()
         return task_from_row(row) if row is not None else None
 
@@ -84,7 +84,7 @@ class SqlStore(TaskStore):
         row = task_to_row(task, now)
         del row["task_id"], row["created_at"]
         row["version"] = task.version + 1
-        with self._tx() as conn:
+        with self.transaction() as conn:
             result = conn.execute(
                 update(tasks)
                 .where(tasks.c.task_id == task.task_id, tasks.c.version == task.version)
@@ -114,12 +114,12 @@ class SqlStore(TaskStore):
             query = query.where(tasks.c.status == int(where.status))
         if where.user_id is not None:
             query = query.where(tasks.c.user_id == where.user_id)
-        with self._tx(read_only=True) as conn:
+        with self.transaction(read_only=True) as conn:
             return [task_from_row(r) for r in conn.execute(query)]
 
     def attempts(self, task_id: str) -> list[AttemptRecord]:
         query = select(attempts).where(attempts.c.task_id == task_id).order_by(attempts.c.seq)
-        with self._tx(read_only=True) as conn:
+        with self.transaction(read_only=True) as conn:
             return [
                 AttemptRecord(**{**r._mapping, "type": StepType(r.type)}) for r in conn.execute(query)
             ]
@@ -133,11 +133,11 @@ class SqlStore(TaskStore):
             .order_by(tasks.c.due_at)
             .limit(limit)
         )
-        with self._tx(read_only=True) as conn:
+        with self.transaction(read_only=True) as conn:
             return [(r.task_id, r.active_seq, Phase(r.active_phase)) for r in conn.execute(query)]
 
     def ping(self) -> None:
-        with self._tx(read_only=True) as conn:
+        with self.transaction(read_only=True) as conn:
             conn.exec_driver_sql("SELECT 1")
 
     def close(self) -> None:

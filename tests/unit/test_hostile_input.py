@@ -199,13 +199,16 @@ def test_any_bytes_as_the_body(api: Target, content: bytes) -> None:
 
 @settings(FUZZ, max_examples=30)
 @given(depth=st.integers(1, 5000), kind=st.sampled_from(["list", "dict"]))
-@example(depth=MAX_PARAMETERS_DEPTH - 2, kind="list")  # parameters + x + this: 32 levels, the limit
+@example(depth=MAX_PARAMETERS_DEPTH - 1, kind="list")  # parameters + these: 32 levels, the limit
+@example(depth=MAX_PARAMETERS_DEPTH, kind="list")  # one level over
 @example(depth=MAX_PARAMETERS_DEPTH - 1, kind="dict")
+@example(depth=MAX_PARAMETERS_DEPTH, kind="dict")
 @example(depth=300, kind="list")  # past the response serializer's depth limit
 @example(depth=5000, kind="dict")  # past the parser's recursion limit
 def test_deeply_nested_parameters_are_refused_before_anything_is_stored(api: Target, depth: int, kind: str) -> None:
     r = api.post("/api/tasks", nested(depth, kind))
-    if depth + 2 <= MAX_PARAMETERS_DEPTH + (kind == "dict"):
+    # The containers are `parameters` itself plus `depth` nested lists or objects.
+    if depth + 1 <= MAX_PARAMETERS_DEPTH:
         assert r.status_code == 201, r.text
     else:
         assert r.status_code in (400, 422), r.text

@@ -1,0 +1,312 @@
+"""The Asyncflow v1 API (seed 000 §一): pull-mode tasks for workers in any language.
+
+Every answer is HTTP 200 with ``code`` (0 success) and ``msg`` (``SUCCESS`` or
+``FAIL_REASON::ERROR_MSG``), as existing clients expect; the codes are listed in
+:data:`CODES`. Routes only parse, call :class:`PullService`, and shape answers.
+"""
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from oss_api.auth import Caller, Forbidden, caller
+from shared.pull import MAX_CONTENT_BYTES, MAX_LOG_BYTES, NAME, InvalidReport, PullStatus, PullTask, Report
+from shared.pull_service import PullService, UnknownTaskType
+from shared.runtime import Runtime
+from shared.service import TaskNotFound
+from shared.storage import StorageUnavailable, TaskConflict
+
+log = logging.getLogger(__name__)
+
+CODES = {
+    "INPUT_INVALID": 1,
+    "NOT_FOUND": 2,
+    "CONFLICT": 3,
+    "FORBIDDEN": 4,
+    "DB_UNAVAILABLE": 5,
+    "INTERNAL": 6,
+}
+TASK_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
+
+
+class _Body(BaseModel):
+    # Clients written for other servers may send more fields: ignore, don't refuse.
+    model_config = ConfigDict(extra="ignore")
+
+
+class CreateTaskData(_Body):
+    task_id: str | None = Field(default=None, pattern=TASK_ID)
+    task_type: str = Field(pattern=NAME)
+    task_content: str = Field(default="", max_length=MAX_CONTENT_BYTES)
+    task_priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    user_id: str = Field(default="", max_length=128)
+    task_stage: str = Field(default="", max_length=64)
+
+
+class CreateTask(_Body):
+    task_data: CreateTaskData
+
+
+class TaskTypeData(_Body):
+    task_type: str = Field(pattern=NAME)
+    schedule_limit: int | None = None
+    schedule_interval: int | None = None
+    max_processing_time: int | None = None
+    max_retry_num: int | None = None
+    max_retry_interval: int | None = None
+
+
+class RegisterTaskType(_Body):
+    task_type_data: TaskTypeData
+
+
+class RegisterTask(_Body):
+    task_config_data: TaskTypeData
+
+
+class HoldTasks(_Body):
+    task_type: str = Field(pattern=NAME)
+
+
+class SetTaskData(_Body):
+    task_id: str = Field(pattern=TASK_ID)
+    task_type: str | None = None
+    status: int = Field(ge=1, le=4)
+    schedule_log: str | None = Field(default=None, max_length=MAX_LOG_BYTES)
+    crt_retry_num: int | None = Field(default=None, ge=0)
+    task_stage: str | None = Field(default=None, max_length=64)
+    task_content: str | None = Field(default=None, max_length=MAX_CONTENT_BYTES)
+
+
+class SetTask(_Body):
+    task_data: SetTaskData
+
+
+class V1Error(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def ok(**fields: Any) -> dict[str, Any]:
+    return {"code": 0, "msg": "SUCCESS", **fields}
+
+
+def fail(reason: str, message: str) -> dict[str, Any]:
+    return {"code": CODES[reason], "msg": f"{reason}::{message}"}
+
+
+def task_json(task: PullTask) -> dict[str, Any]:
+    return {
+        "user_id": task.user_id,
+        "task_id": task.task_id,
+        "task_type": task.task_type,
+        "task_stage": task.task_stage,
+        "stage": task.task_stage,  # get_task's name for it (seed 000 §一.2.2)
+        "status": int(task.status),
+        "priority": task.priority,
+        "crt_retry_num": task.crt_retry_num,
+        "max_retry_num": task.max_retry_num,
+        "max_retry_interval": task.max_retry_interval,
+        "max_processing_time": task.max_processing_time,
+        "schedule_log": task.schedule_log,
+        "task_content": task.task_content,
+        "order_time": int(task.order_time),
+        "create_time": int(task.create_time),
+        "modify_time": int(task.modify_time),
+    }
+
+
+async def _parse(request: Request, model: type[_Body]) -> Any:
+    try:
+        data = json.loads(await request.body())
+    except ValueError as exc:
+        raise V1Error("INPUT_INVALID", f"body is not JSON: {exc}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        raise V1Error("INPUT_INVALID", problems) from None
+
+
+def _answer(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return call()
+    except V1Error as exc:
+        return fail(exc.reason, str(exc))
+    except (UnknownTaskType, TaskNotFound) as exc:
+        return fail("NOT_FOUND", str(exc))
+    except (TaskConflict, InvalidReport) as exc:
+        return fail("CONFLICT", str(exc))
+    except Forbidden as exc:
+        return fail("FORBIDDEN", str(exc))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        return fail("INPUT_INVALID", problems)
+    except StorageUnavailable:
+        return fail("DB_UNAVAILABLE", "the task database is unavailable; try again shortly")
+    except Exception:
+        log.exception("v1 request failed")
+        return fail("INTERNAL", "internal error; see the server log")
+
+
+def v1_routes(runtime: Runtime) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["v1 (pull-mode workers)"])
+    Who = Annotated[Caller, Depends(caller)]
+
+    def service() -> PullService:
+        return runtime.pull_service
+
+    def admin(who: Caller) -> None:
+        # Task types and leases are infrastructure: workers and operators hold admin keys.
+        if not who.admin:
+            raise Forbidden("this call needs an admin key")
+
+    def owner(who: Caller, task: PullTask) -> PullTask:
+        if not who.admin and task.user_id != who.user:
+            raise TaskNotFound(f"no task {task.task_id!r}")
+        return task
+
+    @router.get("/ping")
+    def ping() -> dict[str, Any]:
+        return ok()
+
+    @router.post("/create_task")
+    async def create_task(request: Request, who: Who) -> dict[str, Any]:
+        try:
+            body: CreateTask = await _parse(request, CreateTask)
+        except V1Error as exc:
+            return fail(exc.reason, str(exc))
+        data = body.task_data
+
+        def call() -> dict[str, Any]:
+            user = data.user_id
+            if not who.admin:
+                if user and user != who.user:
+                    raise Forbidden("cannot create tasks for another user")
+                user = who.user or ""
+            task, _ = service().create(
+                data.task_type, data.task_content, user, data.task_priority, data.task_stage, data.task_id
+            )
+            return ok(task_id=task.task_id)
+
+        return await _threaded(call)
+
+    @router.post("/register_task_type")
+    async def register_task_type(request: Request, who: Who) -> dict[str, Any]:
+        return await _register(request, who, RegisterTaskType, "task_type_data", partial=False)
+
+    @router.post("/register_task")
+    async def register_task(request: Request, who: Who) -> dict[str, Any]:
+        return await _register(request, who, RegisterTask, "task_config_data", partial=True)
+
+    async def _register(
+        request: Request, who: Caller, model: type[_Body], field: str, partial: bool
+    ) -> dict[str, Any]:
+        try:
+            body = await _parse(request, model)
+        except V1Error as exc:
+            return fail(exc.reason, str(exc))
+
+        def call() -> dict[str, Any]:
+            admin(who)
+            service().register_type(getattr(body, field).model_dump(), partial=partial)
+            return ok()
+
+        return await _threaded(call)
+
+    @router.post("/hold_tasks")
+    async def hold_tasks(request: Request, who: Who) -> dict[str, Any]:
+        try:
+            body: HoldTasks = await _parse(request, HoldTasks)
+        except V1Error as exc:
+            return fail(exc.reason, str(exc))
+
+        def call() -> dict[str, Any]:
+            admin(who)
+            return ok(task_list=[task_json(t) for t in service().hold(body.task_type)])
+
+        return await _threaded(call)
+
+    @router.post("/set_task")
+    async def set_task(request: Request, who: Who) -> dict[str, Any]:
+        try:
+            body: SetTask = await _parse(request, SetTask)
+        except V1Error as exc:
+            return fail(exc.reason, str(exc))
+        data = body.task_data
+
+        def call() -> dict[str, Any]:
+            admin(who)
+            report = Report(
+                status=PullStatus(data.status),
+                task_stage=data.task_stage,
+                task_content=data.task_content,
+                schedule_log=data.schedule_log,
+                crt_retry_num=data.crt_retry_num,
+            )
+            service().set(data.task_id, report)
+            return ok()
+
+        return await _threaded(call)
+
+    @router.get("/get_task")
+    def get_task(who: Who, task_id: str = "") -> dict[str, Any]:
+        return _answer(lambda: ok(task_data=task_json(owner(who, service().get(_id(task_id))))))
+
+    @router.get("/get_task_schedule_cfg_list")
+    def get_task_schedule_cfg_list(who: Who) -> dict[str, Any]:
+        return _answer(
+            lambda: ok(task_schedule_cfg_list=[t.model_dump() for t in service().store.types()])
+        )
+
+    @router.get("/get_task_list")
+    def get_task_list(
+        who: Who,
+        task_type: str | None = None,
+        status: Annotated[int | None, Query()] = None,
+        limit: Annotated[int, Query()] = 100,
+        stage: str | None = None,
+    ) -> dict[str, Any]:
+        def call() -> dict[str, Any]:
+            if not 1 <= limit <= runtime.settings.list_limit_max:
+                raise V1Error("INPUT_INVALID", f"limit must be 1..{runtime.settings.list_limit_max}")
+            user = None if who.admin else who.user
+            tasks = service().store.list(task_type, status, stage, limit, user_id=user)
+            return ok(task_list=[task_json(t) for t in tasks])
+
+        return _answer(call)
+
+    @router.get("/get_task_counts_by_type")
+    def get_task_counts_by_type(who: Who, task_type: str = "") -> dict[str, Any]:
+        def call() -> dict[str, Any]:
+            admin(who)
+            service().task_type(task_type)
+            counts = service().store.count(task_type)
+            by_status = {str(s): counts.get(int(s), 0) for s in PullStatus}
+            return ok(task_count=sum(counts.values()), task_count_by_status=by_status)
+
+        return _answer(call)
+
+    return router
+
+
+def _id(task_id: str) -> str:
+    import re
+
+    if not re.fullmatch(TASK_ID, task_id):
+        raise V1Error("INPUT_INVALID", "task_id is missing or not a task id")
+    return task_id
+
+
+async def _threaded(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    # The store is synchronous: run it in the thread pool like the sync routes.
+    from starlette.concurrency import run_in_threadpool
+
+    return await run_in_threadpool(_answer, call)

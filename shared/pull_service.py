@@ -1,0 +1,86 @@
+"""The v1 pull-mode task service: task types, create, hold, set, and lease expiry."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from shared.pull import (
+    PullTask,
+    Report,
+    TaskType,
+    lease_expired,
+    new_pull_task,
+    reported,
+)
+from shared.service import ServiceError, TaskNotFound
+from shared.storage.pull import PullStore
+
+MAX_CAS_ROUNDS = 20
+
+
+class UnknownTaskType(ServiceError):
+    status_code = 404
+
+
+class PullService:
+    def __init__(self, store: PullStore, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.clock = clock
+
+    def register_type(self, fields: Mapping[str, Any], partial: bool = False) -> TaskType:
+        """Create or change a task type; ``partial`` keeps the fields not given (register_task)."""
+        current = self.store.get_type(str(fields.get("task_type"))) if partial else None
+        base = current.model_dump() if current is not None else {}
+        config = TaskType.model_validate({**base, **{k: v for k, v in fields.items() if v is not None}})
+        return self.store.save_type(config, self.clock())
+
+    def task_type(self, name: str) -> TaskType:
+        config = self.store.get_type(name)
+        if config is None:
+            raise UnknownTaskType(f"unknown task_type {name!r}: register it with register_task_type")
+        return config
+
+    def create(
+        self,
+        task_type: str,
+        content: str,
+        user_id: str = "",
+        priority: int = 0,
+        stage: str = "",
+        task_id: str | None = None,
+    ) -> tuple[PullTask, bool]:
+        config = self.task_type(task_type)
+        task_id = task_id or f"{uuid.uuid4().hex}_{task_type}"
+        task = new_pull_task(task_id, config, user_id, stage, content, priority, self.clock())
+        return self.store.create(task)
+
+    def hold(self, task_type: str) -> list[PullTask]:
+        config = self.task_type(task_type)
+        return self.store.hold(task_type, config.schedule_limit, self.clock())
+
+    def set(self, task_id: str, report: Report) -> PullTask:
+        for _ in range(MAX_CAS_ROUNDS):
+            task = self.get(task_id)
+            new = reported(task, report, self.clock())  # raises InvalidReport
+            if self.store.save(new):
+                return new
+        raise RuntimeError(f"task {task_id}: gave up after {MAX_CAS_ROUNDS} concurrent updates")
+
+    def expire(self, limit: int = 500) -> int:
+        """Leases past max_processing_time: a failed attempt each (retry or fail)."""
+        changed = 0
+        now = self.clock()
+        for task in self.store.expired(now, limit):
+            new = lease_expired(task, now)
+            if new is not None and self.store.save(new):
+                changed += 1
+        return changed
+
+    def get(self, task_id: str) -> PullTask:
+        task = self.store.get(task_id)
+        if task is None:
+            raise TaskNotFound(f"no task {task_id!r}")
+        return task

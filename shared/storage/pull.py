@@ -1,0 +1,176 @@
+"""Storage of v1 pull-mode tasks and task types; shares the SQL store's engine.
+
+hold_tasks claims rows with ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so
+concurrent workers never get the same task and never wait on each other; on
+SQLite the write transaction (BEGIN IMMEDIATE) serializes the claims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from shared.pull import PullStatus, PullTask, TaskType
+from shared.storage.base import TaskConflict
+from shared.storage.schema import pull_tasks, task_types
+from shared.storage.sql import SqlStore
+
+
+def _row(task: PullTask) -> dict[str, Any]:
+    row = {k: getattr(task, k) for k in PullTask.__dataclass_fields__}
+    row["status"] = int(task.status)
+    running = task.status is PullStatus.RUNNING
+    row["lease_until"] = task.modify_time + task.max_processing_time if running else None
+    return row
+
+
+def _task(row: Any) -> PullTask:
+    m = dict(row._mapping)
+    m.pop("lease_until", None)
+    m["status"] = PullStatus(m["status"])
+    return PullTask(**m)
+
+
+class PullStore:
+    def __init__(self, sql: SqlStore) -> None:
+        self.sql = sql
+        self._skip_locked = sql.engine.dialect.name == "postgresql"
+
+    # --- task types ---------------------------------------------------------------
+
+    def save_type(self, config: TaskType, now: float) -> TaskType:
+        values = config.model_dump()
+        with self.sql.transaction() as conn:
+            found = conn.execute(
+                select(task_types.c.task_type).where(task_types.c.task_type == config.task_type)
+            ).first()
+            if found is None:
+                conn.execute(insert(task_types).values(**values, created_at=now, updated_at=now))
+            else:
+                conn.execute(
+                    update(task_types)
+                    .where(task_types.c.task_type == config.task_type)
+                    .values(**values, updated_at=now)
+                )
+        return config
+
+    def get_type(self, task_type: str) -> TaskType | None:
+        with self.sql.transaction(read_only=True) as conn:
+            row = conn.execute(select(task_types).where(task_types.c.task_type == task_type)).first()
+        return _type(row) if row is not None else None
+
+    def types(self) -> list[TaskType]:
+        with self.sql.transaction(read_only=True) as conn:
+            rows = conn.execute(select(task_types).order_by(task_types.c.task_type)).all()
+        return [_type(r) for r in rows]
+
+    # --- tasks ----------------------------------------------------------------------
+
+    def create(self, task: PullTask) -> tuple[PullTask, bool]:
+        try:
+            with self.sql.transaction() as conn:
+                conn.execute(insert(pull_tasks).values(**_row(replace(task, version=1))))
+            return replace(task, version=1), True
+        except IntegrityError:
+            stored = self.get(task.task_id)
+            if stored is None or (stored.task_type, stored.user_id) != (task.task_type, task.user_id):
+                raise TaskConflict(f"task id {task.task_id!r} is already used") from None
+            return stored, False
+
+    def get(self, task_id: str) -> PullTask | None:
+        with self.sql.transaction(read_only=True) as conn:
+            row = conn.execute(select(pull_tasks).where(pull_tasks.c.task_id == task_id)).first()
+        return _task(row) if row is not None else None
+
+    def list(
+        self,
+        task_type: str | None,
+        status: int | None,
+        stage: str | None,
+        limit: int,
+        user_id: str | None = None,
+    ) -> list[PullTask]:
+        query = select(pull_tasks).order_by(pull_tasks.c.create_time.desc()).limit(limit)
+        for column, value in (
+            (pull_tasks.c.task_type, task_type),
+            (pull_tasks.c.status, status),
+            (pull_tasks.c.task_stage, stage),
+            (pull_tasks.c.user_id, user_id),
+        ):
+            if value is not None:
+                query = query.where(column == value)
+        with self.sql.transaction(read_only=True) as conn:
+            return [_task(r) for r in conn.execute(query)]
+
+    def count(self, task_type: str) -> dict[int, int]:
+        query = (
+            select(pull_tasks.c.status, func.count())
+            .where(pull_tasks.c.task_type == task_type)
+            .group_by(pull_tasks.c.status)
+        )
+        with self.sql.transaction(read_only=True) as conn:
+            return {int(status): int(n) for status, n in conn.execute(query)}
+
+    def hold(self, task_type: str, limit: int, now: float) -> list[PullTask]:
+        """Lease up to ``limit`` due pending tasks of ``task_type``, smallest order_time first."""
+        claim = (
+            select(pull_tasks)
+            .where(
+                pull_tasks.c.task_type == task_type,
+                pull_tasks.c.status == int(PullStatus.PENDING),
+                pull_tasks.c.order_time <= now,
+            )
+            .order_by(pull_tasks.c.order_time)
+            .limit(limit)
+        )
+        if self._skip_locked:
+            claim = claim.with_for_update(skip_locked=True)
+        with self.sql.transaction() as conn:
+            tasks = [_task(r) for r in conn.execute(claim)]
+            if not tasks:
+                return []
+            conn.execute(
+                update(pull_tasks)
+                .where(pull_tasks.c.task_id.in_([t.task_id for t in tasks]))
+                .values(
+                    status=int(PullStatus.RUNNING),
+                    modify_time=now,
+                    lease_until=now + pull_tasks.c.max_processing_time,
+                    version=pull_tasks.c.version + 1,
+                )
+            )
+        return [
+            replace(t, status=PullStatus.RUNNING, modify_time=now, version=t.version + 1) for t in tasks
+        ]
+
+    def save(self, task: PullTask) -> bool:
+        """Compare-and-set on the version, like the saga's task rows."""
+        row = _row(task)
+        del row["task_id"]
+        row["version"] = task.version + 1
+        with self.sql.transaction() as conn:
+            result = conn.execute(
+                update(pull_tasks)
+                .where(pull_tasks.c.task_id == task.task_id, pull_tasks.c.version == task.version)
+                .values(**row)
+            )
+        return result.rowcount == 1
+
+    def expired(self, now: float, limit: int) -> list[PullTask]:
+        query = (
+            select(pull_tasks)
+            .where(pull_tasks.c.lease_until <= now)
+            .order_by(pull_tasks.c.lease_until)
+            .limit(limit)
+        )
+        with self.sql.transaction(read_only=True) as conn:
+            return [_task(r) for r in conn.execute(query)]
+
+
+def _type(row: Any) -> TaskType:
+    m = dict(row._mapping)
+    m.pop("created_at"), m.pop("updated_at")
+    return TaskType(**m)

@@ -1,0 +1,290 @@
+"""The Asyncflow v1 API, field by field, on SQLite and PostgreSQL (seed 000 §一)."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, delete
+
+from shared.config import Settings
+from shared.flows import load_flows
+from shared.migrate import upgrade
+from shared.runtime import Runtime
+from shared.storage.schema import pull_tasks, task_types
+from shared.storage.sql import SqlStore, open_store
+from shared.testing import ManualClock, QueuePublisher
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # starlette's test client warns about its httpx import
+    from fastapi.testclient import TestClient
+
+from oss_api.app import create_app
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+TASK_FIELDS = {
+    "user_id", "task_id", "task_type", "task_stage", "stage", "status", "priority", "crt_retry_num",
+    "max_retry_num", "max_retry_interval", "max_processing_time", "schedule_log", "task_content",
+    "order_time", "create_time", "modify_time",
+}
+
+
+def _clear(url: str) -> None:
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(delete(pull_tasks))
+        conn.execute(delete(task_types))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'v1.sqlite'}"
+        upgrade(url)
+    else:
+        url = request.getfixturevalue("postgres_url")
+        _clear(url)
+    store = open_store(url)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+class V1:
+    def __init__(self, store: SqlStore, home: Path) -> None:
+        self.runtime = Runtime(
+            Settings(home=home), flows=load_flows(SUPPORT / "flows.yaml"), store=store, publisher=QueuePublisher()
+        )
+        self.clock = ManualClock()
+        self.runtime.pull_service.clock = self.clock
+        self.http = TestClient(create_app(self.runtime))
+
+    def post(self, path: str, body: Any) -> dict[str, Any]:
+        response = self.http.post("/v1/" + path, json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def get(self, path: str, **params: Any) -> dict[str, Any]:
+        response = self.http.get("/v1/" + path, params=params)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def register(self, task_type: str = "video", **config: Any) -> None:
+        assert self.post("register_task_type", {"task_type_data": {"task_type": task_type, **config}})["code"] == 0
+
+    def create(self, **data: Any) -> str:
+        answer = self.post("create_task", {"task_data": {"task_type": "video", **data}})
+        assert answer["code"] == 0 and answer["msg"] == "SUCCESS", answer
+        return answer["task_id"]
+
+    def hold(self, task_type: str = "video") -> list[dict[str, Any]]:
+        answer = self.post("hold_tasks", {"task_type": task_type})
+        assert answer["code"] == 0, answer
+        return answer["task_list"]
+
+    def set(self, **data: Any) -> dict[str, Any]:
+        return self.post("set_task", {"task_data": data})
+
+    def count(self) -> int:
+        return self.get("get_task_counts_by_type", task_type="video")["task_count"]
+
+
+@pytest.fixture
+def v1(sql_store: SqlStore, tmp_path: Path) -> V1:
+    return V1(sql_store, tmp_path)
+
+
+def test_ping(v1: V1) -> None:
+    assert v1.get("ping") == {"code": 0, "msg": "SUCCESS"}
+
+
+def test_register_task_type_defaults_and_register_task_changes_some_fields(v1: V1) -> None:
+    v1.register("video")
+    v1.register("audio", schedule_limit=5, max_retry_num=1, max_retry_interval=-2)
+    answer = v1.post("register_task", {"task_config_data": {"task_type": "video", "schedule_limit": 7}})
+    assert answer == {"code": 0, "msg": "SUCCESS"}
+    listed = v1.get("get_task_schedule_cfg_list")
+    assert listed["code"] == 0
+    assert listed["task_schedule_cfg_list"] == [
+        {"task_type": "audio", "schedule_limit": 5, "schedule_interval": 1, "max_processing_time": 300,
+         "max_retry_num": 1, "max_retry_interval": -2},
+        {"task_type": "video", "schedule_limit": 7, "schedule_interval": 1, "max_processing_time": 300,
+         "max_retry_num": 3, "max_retry_interval": 10},
+    ]
+
+
+def test_create_get_and_every_field(v1: V1) -> None:
+    v1.register()
+    task_id = v1.create(task_content='{"SourceUrl":"http://v/1"}', task_priority=3, user_id="alice")
+    answer = v1.get("get_task", task_id=task_id)
+    assert answer["code"] == 0 and answer["msg"] == "SUCCESS"
+    data = answer["task_data"]
+    assert set(data) == TASK_FIELDS
+    assert (data["task_id"], data["user_id"], data["status"], data["task_content"]) == (
+        task_id, "alice", 1, '{"SourceUrl":"http://v/1"}'
+    )
+    assert data["order_time"] == int(v1.clock.now - 3) and data["crt_retry_num"] == 0
+    # A client-chosen task_id is the idempotency key.
+    assert v1.create(task_id="mine-1") == "mine-1" == v1.create(task_id="mine-1")
+    assert v1.count() == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"task_data": {"task_type": "nope"}}, "NOT_FOUND"),
+        ({"task_data": {}}, "INPUT_INVALID"),
+        ({}, "INPUT_INVALID"),
+        ({"task_data": {"task_type": "video", "task_priority": "high"}}, "INPUT_INVALID"),
+        ({"task_data": {"task_type": "video", "task_content": {"not": "a string"}}}, "INPUT_INVALID"),
+        ({"task_data": {"task_type": "video", "task_content": "x" * 5000}}, "INPUT_INVALID"),
+        ({"task_data": {"task_type": "video", "task_id": "../../etc"}}, "INPUT_INVALID"),
+    ],
+)
+def test_bad_create_is_refused_with_a_reason_and_nothing_stored(v1: V1, body: Any, reason: str) -> None:
+    v1.register()
+    answer = v1.post("create_task", body)
+    assert answer["code"] != 0 and answer["msg"].startswith(reason + "::") and "task_id" not in answer
+    assert v1.count() == 0
+
+
+def test_malformed_json_is_refused(v1: V1) -> None:
+    answer = v1.http.post("/v1/create_task", content=b"{nope").json()
+    assert answer["code"] == 1 and answer["msg"].startswith("INPUT_INVALID::")
+
+
+def test_hold_leases_up_to_schedule_limit_by_order_time(v1: V1) -> None:
+    v1.register(schedule_limit=2)
+    low = v1.create(task_priority=0)
+    v1.clock.advance(1)
+    high = v1.create(task_priority=100)
+    v1.clock.advance(1)
+    later = v1.create()
+    held = v1.hold()
+    assert [t["task_id"] for t in held] == [high, low]
+    assert all(t["status"] == 2 and set(t) == TASK_FIELDS for t in held)
+    assert [t["task_id"] for t in v1.hold()] == [later]
+    assert v1.hold() == []
+    assert v1.get("get_task", task_id=low)["task_data"]["status"] == 2
+
+
+def test_failed_high_priority_task_does_not_jump_the_queue(v1: V1) -> None:
+    v1.register(schedule_limit=1, max_retry_interval=10)
+    vip = v1.create(task_priority=1000)
+    v1.clock.advance(1)
+    (held,) = v1.hold()
+    assert held["task_id"] == vip
+    other = v1.create()
+    assert v1.set(task_id=vip, status=4, schedule_log="boom")["code"] == 0
+    # The failed one waits its retry interval (1 s for the first retry) behind the others.
+    assert [t["task_id"] for t in v1.hold()] == [other]
+    assert v1.hold() == []
+    v1.clock.advance(1)
+    retried = v1.hold()
+    assert [(t["task_id"], t["crt_retry_num"], t["schedule_log"]) for t in retried] == [(vip, 1, "boom")]
+
+
+def test_retries_then_failed(v1: V1) -> None:
+    v1.register(max_retry_num=2, max_retry_interval=-1)
+    task_id = v1.create()
+    for _ in range(2):
+        (t,) = v1.hold()
+        v1.set(task_id=task_id, status=4)
+        v1.clock.advance(1)
+    (t,) = v1.hold()
+    assert v1.set(task_id=task_id, status=4)["code"] == 0
+    data = v1.get("get_task", task_id=task_id)["task_data"]
+    assert (data["status"], data["crt_retry_num"]) == (4, 2)
+
+
+def test_multi_stage_goes_behind_waiting_tasks(v1: V1) -> None:
+    v1.register(schedule_limit=1)
+    first = v1.create(task_stage="submit")
+    v1.clock.advance(1)
+    second = v1.create(task_stage="submit")
+    (t,) = v1.hold()
+    assert t["task_id"] == first
+    v1.clock.advance(1)
+    answer = v1.set(task_id=first, status=1, task_stage="transcode", task_content='{"job":42}')
+    assert answer == {"code": 0, "msg": "SUCCESS"}
+    assert [t["task_id"] for t in v1.hold()] == [second]
+    (again,) = v1.hold()
+    assert (again["task_id"], again["task_stage"], again["task_content"]) == (first, "transcode", '{"job":42}')
+    assert v1.set(task_id=first, status=3)["code"] == 0
+    assert v1.get("get_task", task_id=first)["task_data"]["status"] == 3
+
+
+def test_set_task_refusals(v1: V1) -> None:
+    v1.register()
+    task_id = v1.create()
+    pending = v1.set(task_id=task_id, status=3)
+    assert pending["code"] == 3 and pending["msg"].startswith("CONFLICT::")
+    assert v1.set(task_id="missing", status=3)["code"] == 2
+    assert v1.set(task_id=task_id, status=9)["code"] == 1
+    assert v1.post("set_task", {"task_data": {"status": 3}})["code"] == 1
+
+
+def test_lease_expiry_returns_the_task_to_pending(v1: V1) -> None:
+    v1.register(max_processing_time=60)
+    task_id = v1.create()
+    v1.hold()
+    service = v1.runtime.pull_service
+    v1.clock.advance(59)
+    assert service.expire() == 0
+    v1.clock.advance(1)
+    assert service.expire() == 1
+    data = v1.get("get_task", task_id=task_id)["task_data"]
+    assert (data["status"], data["crt_retry_num"]) == (1, 1)
+
+
+def test_list_and_counts(v1: V1) -> None:
+    v1.register()
+    v1.register("audio")
+    ids = [v1.create(task_stage="a" if i % 2 else "b") for i in range(5)]
+    v1.post("create_task", {"task_data": {"task_type": "audio"}})
+    v1.hold()
+    listed = v1.get("get_task_list", task_type="video", status=2, limit=3)
+    assert listed["code"] == 0 and len(listed["task_list"]) == 3
+    assert all(t["status"] == 2 and t["task_type"] == "video" for t in listed["task_list"])
+    staged = v1.get("get_task_list", task_type="video", stage="a", limit=100)["task_list"]
+    assert sorted(t["task_id"] for t in staged) == sorted(ids[1::2])
+    assert v1.get("get_task_list", limit=0)["code"] == 1
+    counts = v1.get("get_task_counts_by_type", task_type="video")
+    assert counts["task_count"] == 5 and counts["task_count_by_status"]["2"] == 5
+    assert v1.get("get_task_counts_by_type", task_type="nope")["code"] == 2
+
+
+def test_concurrent_holders_never_share_a_task(sql_store: SqlStore, tmp_path: Path) -> None:
+    """8 workers hold from one type until 5,000 tasks are drained: each task exactly once."""
+    v1 = V1(sql_store, tmp_path)
+    v1.register(schedule_limit=50)
+    service = v1.runtime.pull_service
+    service.clock = ManualClock(v1.clock.now)
+    for i in range(5000):
+        service.create("video", f'{{"n":{i}}}')
+    seen: Counter[str] = Counter()
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            while batch := service.hold("video"):
+                with lock:
+                    seen.update(t.task_id for t in batch)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert len(seen) == 5000 and max(seen.values()) == 1
