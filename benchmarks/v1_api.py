@@ -1,0 +1,159 @@
+"""create_task and hold_tasks calls/s of the v1 API, with several concurrent clients.
+
+Starts `asyncflow api` (one process) on a fresh PostgreSQL database (or the
+embedded SQLite default), then for each phase runs N client processes that
+call one endpoint in a loop for a fixed time, over keep-alive connections:
+
+  create_task  POST /v1/create_task, a 60-byte task_content
+  hold_tasks   POST /v1/hold_tasks on a type whose pending tasks were bulk-loaded
+               first, `--schedule-limit` tasks per call (default 1: one task per call)
+
+Prints calls/s, latency percentiles and the machine, next to the seed's figures
+(create_task 3,000 QPS, hold_tasks 2,000 QPS on 2 cores / 4 GB with MySQL),
+which are quoted, not measured here.
+
+    python benchmarks/v1_api.py [--backend postgres|embedded] [--clients 8] [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_flows import Backend, SetupError, Stack, log, machine_info, pct, setup_postgres  # noqa: E402
+
+SEED = {"create_task": 3000, "hold_tasks": 2000}
+
+
+def client_loop(args: tuple[str, str, dict[str, Any], float]) -> tuple[int, int, list[float]]:
+    url, path, body, seconds = args
+    ok = errors = 0
+    latencies: list[float] = []
+    with httpx.Client(base_url=url, timeout=30) as http:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            answer = http.post(path, json=body).json()
+            latencies.append(time.perf_counter() - t0)
+            if answer.get("code") == 0:
+                ok += 1
+            else:
+                errors += 1
+    return ok, errors, latencies
+
+
+def phase(pool: Any, url: str, path: str, body: dict[str, Any], clients: int, seconds: float) -> dict[str, Any]:
+    started = time.monotonic()
+    results = pool.map(client_loop, [(url, path, body, seconds)] * clients)
+    wall = time.monotonic() - started
+    ok = sum(r[0] for r in results)
+    errors = sum(r[1] for r in results)
+    lat = sorted(x for r in results for x in r[2])
+    return {
+        "calls": ok, "errors": errors, "calls_per_s": ok / seconds, "wall_s": wall,
+        "p50_ms": (pct(lat, 50) or 0) * 1000, "p99_ms": (pct(lat, 99) or 0) * 1000,
+    }
+
+
+def prefill(database_url: str, task_type: str, count: int) -> None:
+    """Bulk-insert pending tasks straight into the table (the thing measured is hold_tasks)."""
+    from sqlalchemy import insert
+
+    from shared.pull import TaskType, new_pull_task
+    from shared.storage import open_store
+    from shared.storage.pull import _row
+    from shared.storage.schema import pull_tasks
+
+    store = open_store(database_url)
+    config = TaskType(task_type=task_type)
+    now = time.time() - 60
+    rows = [
+        _row(new_pull_task(f"{uuid.uuid4().hex}_{task_type}", config, "", "", "x" * 60, 0, now + i * 1e-4))
+        | {"version": 1}
+        for i in range(count)
+    ]
+    with store.transaction() as conn:
+        for start in range(0, count, 5000):
+            conn.execute(insert(pull_tasks), rows[start : start + 5000])
+    store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=["postgres", "embedded"], default="postgres")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--schedule-limit", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    backend = Backend(args.backend)
+    home = Path(tempfile.mkdtemp(prefix="af-v1-bench-"))
+    stack = None
+    try:
+        if args.backend == "postgres":
+            setup_postgres(backend, None)
+        stack = Stack(home, backend, concurrency=1, log_level="WARNING")
+        done = subprocess.run(
+            [sys.executable, "-m", "asyncflow", "db", "upgrade"],
+            env=stack.env, cwd=home, capture_output=True, text=True, timeout=180,
+        )
+        if done.returncode != 0:
+            raise SetupError(done.stderr)
+        stack.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
+        stack.spawn("api", "api", "--port", str(stack.port))
+        stack.wait_healthy(60)
+        url = stack.url
+        for task_type, limit in (("bench_create", 100), ("bench_hold", args.schedule_limit)):
+            body = {"task_type_data": {"task_type": task_type, "schedule_limit": limit}}
+            assert httpx.post(url + "/v1/register_task_type", json=body).json()["code"] == 0
+        database_url = stack.env.get("ASYNCFLOW_DATABASE_URL") or f"sqlite:///{home / 'asyncflow.sqlite'}"
+        needed = int(SEED["hold_tasks"] * 3 * args.seconds * args.schedule_limit)
+        log(f"bulk-loading {needed} pending tasks for hold_tasks")
+        prefill(database_url, "bench_hold", needed)
+
+        results = {}
+        with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
+            log("create_task phase")
+            results["create_task"] = phase(
+                pool, url, "/v1/create_task",
+                {"task_data": {"task_type": "bench_create", "task_content": "y" * 60}},
+                args.clients, args.seconds,
+            )
+            log("hold_tasks phase")
+            results["hold_tasks"] = phase(
+                pool, url, "/v1/hold_tasks", {"task_type": "bench_hold"}, args.clients, args.seconds
+            )
+        stack.check_alive()
+    except SetupError as exc:
+        log(f"setup failed: {exc}")
+        return 3
+    finally:
+        if stack is not None:
+            stack.stop()
+        backend.cleanup()
+
+    m = machine_info()
+    print(f"machine : {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; {m['os']}, kernel {m['kernel']}; "
+          f"Python {m['python']}; load {m['loadavg_at_start']}")
+    print(f"backend : {args.backend} {backend.versions}; one `asyncflow api` process; "
+          f"{args.clients} client processes on the same machine, {args.seconds:g} s per phase")
+    for name, r in results.items():
+        extra = f", {args.schedule_limit} task(s) per call" if name == "hold_tasks" else ""
+        print(f"{name:<12}: {r['calls_per_s']:8.0f} calls/s ({r['calls']} ok, {r['errors']} errors{extra}); "
+              f"latency p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms   "
+              f"[seed 000, MySQL, 2c4g, quoted: {SEED[name]} QPS]")
+    return 0 if all(r["errors"] == 0 for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
