@@ -77,9 +77,14 @@ def test_message_lost_after_commit_is_published_again(faulty: Stack) -> None:
     task = faulty.submit("short", {})
     wait_for(lambda: faulty.get(task["task_id"])["task_cursor"] == 1, 30, "step 1 to be queued")
     app = make_celery(Settings(broker_url=faulty.env.get("ASYNCFLOW_BROKER_URL"), home=faulty.home))
-    with app.connection_for_write() as conn:
-        purged = conn.default_channel.queue_purge(queue_name("beta"))
-    assert purged == 1  # the step message is gone; only the database knows about it
+
+    def purged() -> int:
+        # The publish follows the commit that moved the cursor: wait for it to land.
+        with app.connection_for_write() as conn:
+            return conn.default_channel.queue_purge(queue_name("beta"))
+
+    # The step message is gone; only the database knows about it.
+    wait_for(lambda: purged() >= 1, 30, "the step message to reach the queue and be purged")
     faulty.respawn(BETA)
     doc = faulty.wait_stopped(task["task_id"], timeout=60)
     assert doc["task_status"] == 0, doc
