@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from oss_api.auth import Caller, Forbidden, caller
 from shared.pull import MAX_CONTENT_BYTES, MAX_LOG_BYTES, NAME, InvalidReport, PullStatus, PullTask, Report
@@ -179,13 +180,8 @@ def v1_routes(runtime: Runtime) -> APIRouter:
 
     @router.post("/create_task")
     async def create_task(request: Request, who: Who) -> dict[str, Any]:
-        try:
-            body: CreateTask = await _parse(request, CreateTask)
-        except V1Error as exc:
-            return fail(exc.reason, str(exc))
-        data = body.task_data
-
-        def call() -> dict[str, Any]:
+        def call(body: CreateTask) -> dict[str, Any]:
+            data = body.task_data
             user = data.user_id
             if not who.admin:
                 if user and user != who.user:
@@ -196,54 +192,39 @@ def v1_routes(runtime: Runtime) -> APIRouter:
             )
             return ok(task_id=task.task_id)
 
-        return await _threaded(call)
+        return await _post(request, CreateTask, call)
 
     @router.post("/register_task_type")
     async def register_task_type(request: Request, who: Who) -> dict[str, Any]:
-        return await _register(request, who, RegisterTaskType, "task_type_data", partial=False)
+        def call(body: RegisterTaskType) -> dict[str, Any]:
+            admin(who)
+            service().register_type(body.task_type_data.model_dump(), partial=False)
+            return ok()
+
+        return await _post(request, RegisterTaskType, call)
 
     @router.post("/register_task")
     async def register_task(request: Request, who: Who) -> dict[str, Any]:
-        return await _register(request, who, RegisterTask, "task_config_data", partial=True)
-
-    async def _register(
-        request: Request, who: Caller, model: type[_Body], field: str, partial: bool
-    ) -> dict[str, Any]:
-        try:
-            body = await _parse(request, model)
-        except V1Error as exc:
-            return fail(exc.reason, str(exc))
-
-        def call() -> dict[str, Any]:
+        def call(body: RegisterTask) -> dict[str, Any]:
             admin(who)
-            service().register_type(getattr(body, field).model_dump(), partial=partial)
+            service().register_type(body.task_config_data.model_dump(), partial=True)
             return ok()
 
-        return await _threaded(call)
+        return await _post(request, RegisterTask, call)
 
     @router.post("/hold_tasks")
     async def hold_tasks(request: Request, who: Who) -> dict[str, Any]:
-        try:
-            body: HoldTasks = await _parse(request, HoldTasks)
-        except V1Error as exc:
-            return fail(exc.reason, str(exc))
-
-        def call() -> dict[str, Any]:
+        def call(body: HoldTasks) -> dict[str, Any]:
             admin(who)
             return ok(task_list=[task_json(t) for t in service().hold(body.task_type)])
 
-        return await _threaded(call)
+        return await _post(request, HoldTasks, call)
 
     @router.post("/set_task")
     async def set_task(request: Request, who: Who) -> dict[str, Any]:
-        try:
-            body: SetTask = await _parse(request, SetTask)
-        except V1Error as exc:
-            return fail(exc.reason, str(exc))
-        data = body.task_data
-
-        def call() -> dict[str, Any]:
+        def call(body: SetTask) -> dict[str, Any]:
             admin(who)
+            data = body.task_data
             report = Report(
                 status=PullStatus(data.status),
                 task_stage=data.task_stage,
@@ -254,7 +235,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
             service().set(data.task_id, report)
             return ok()
 
-        return await _threaded(call)
+        return await _post(request, SetTask, call)
 
     @router.get("/get_task")
     def get_task(who: Who, task_id: str = "") -> dict[str, Any]:
@@ -305,8 +286,11 @@ def _id(task_id: str) -> str:
     return task_id
 
 
-async def _threaded(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+async def _post(request: Request, model: type[Any], act: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """Parse the body into ``model``, then run ``act`` on it, answering in the v1 form."""
+    try:
+        body = await _parse(request, model)
+    except V1Error as exc:
+        return fail(exc.reason, str(exc))
     # The store is synchronous: run it in the thread pool like the sync routes.
-    from starlette.concurrency import run_in_threadpool
-
-    return await run_in_threadpool(_answer, call)
+    return await run_in_threadpool(_answer, lambda: act(body))
