@@ -42,7 +42,7 @@ def up(port: int | None) -> None:
     settings = _settings()
     flows = _load(settings.flows, check_commands=True)
     _check_api_keys(settings)
-    sys.exit(run_all(settings, port or settings.api_port, sorted(flows.module_names())))
+    sys.exit(run_all(settings, port or settings.api_port, sorted(flows.push_module_names())))
 
 
 @main.command()

@@ -99,8 +99,9 @@ def run_all(settings: Settings, port: int, modules: list[str]) -> int:
     children = {
         "api": subprocess.Popen([*cmd, "api", "--port", str(port)], env=env),
         "scheduler": subprocess.Popen([*cmd, "scheduler"], env=env),
-        "worker": subprocess.Popen([*cmd, "worker", *modules], env=env),
     }
+    if modules:  # none when every module is pull-mode (worked through the v1 API)
+        children["worker"] = subprocess.Popen([*cmd, "worker", *modules], env=env)
     log.info(
         "asyncflow is up: API on http://%s:%d (docs at /docs), database %s, broker %s",
         settings.api_host, port, settings.resolved_database_url(), settings.resolved_broker_url(),

@@ -16,7 +16,8 @@ from starlette.concurrency import run_in_threadpool
 
 from oss_api.auth import Caller, Forbidden, caller
 from shared.pull import MAX_CONTENT_BYTES, MAX_LOG_BYTES, NAME, InvalidReport, PullStatus, PullTask, Report
-from shared.pull_service import PullService, UnknownTaskType
+from shared.pull_service import PullService, ReservedTaskType, UnknownTaskType
+from shared.pull_steps import InvalidStepReport
 from shared.runtime import Runtime
 from shared.service import TaskNotFound
 from shared.storage import StorageUnavailable, TaskConflict
@@ -31,7 +32,8 @@ CODES = {
     "DB_UNAVAILABLE": 5,
     "INTERNAL": 6,
 }
-TASK_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
+# Up to 80: a pull-mode flow step's id is "<task id>.<seq>".
+TASK_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,79}$"
 
 
 class _Body(BaseModel):
@@ -143,8 +145,10 @@ def _answer(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return fail(exc.reason, str(exc))
     except (UnknownTaskType, TaskNotFound) as exc:
         return fail("NOT_FOUND", str(exc))
-    except (TaskConflict, InvalidReport) as exc:
+    except (TaskConflict, InvalidReport, ReservedTaskType) as exc:
         return fail("CONFLICT", str(exc))
+    except InvalidStepReport as exc:
+        return fail("INPUT_INVALID", str(exc))
     except Forbidden as exc:
         return fail("FORBIDDEN", str(exc))
     except ValidationError as exc:
@@ -244,7 +248,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
     @router.get("/get_task_schedule_cfg_list")
     def get_task_schedule_cfg_list(who: Who) -> dict[str, Any]:
         return _answer(
-            lambda: ok(task_schedule_cfg_list=[t.model_dump() for t in service().store.types()])
+            lambda: ok(task_schedule_cfg_list=[t.model_dump() for t in service().types()])
         )
 
     @router.get("/get_task_list")

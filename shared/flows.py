@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shared.module import Module, ModuleError, import_module_object
 
@@ -79,10 +79,31 @@ class Flow(BaseModel):
 
 
 class ModuleDecl(BaseModel):
+    """How a module's steps reach their code.
+
+    push (default): Celery workers that import ``import`` consume the module's queue.
+    pull: external workers, in any language, lease the steps through the v1 API
+    (hold_tasks / set_task with task_type = the module name); the settings below
+    are that task type's.
+    """
+
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     import_path: str | None = Field(default=None, alias="import")
-    mode: Literal["push"] = "push"
+    mode: Literal["push", "pull"] = "push"
+    schedule_limit: int = Field(default=100, ge=1, le=1000)  # steps per hold_tasks
+    schedule_interval: int = Field(default=1, ge=0, le=3600)  # seconds between a worker's polls
+    # A worker's set_task with status 1 means "not finished": lease it again after this.
+    poll_interval: float = Field(default=5.0, gt=0, le=24 * 3600)
+
+    @model_validator(mode="after")
+    def _fields_of_its_mode(self) -> ModuleDecl:
+        if self.mode == "pull" and self.import_path is not None:
+            raise ValueError("a pull-mode module has no Python code to import; remove 'import'")
+        pull_only = {"schedule_limit", "schedule_interval", "poll_interval"} & self.model_fields_set
+        if self.mode == "push" and pull_only:
+            raise ValueError(f"{', '.join(sorted(pull_only))}: only for mode: pull")
+        return self
 
 
 class _FlowBody(BaseModel):
@@ -116,6 +137,14 @@ class FlowSet:
             names.update(action.module for _, _, action in flow.actions())
         return names
 
+    def pull_modules(self) -> dict[str, ModuleDecl]:
+        """Modules whose steps external workers lease through the v1 API."""
+        return {name: decl for name, decl in self.modules.items() if decl.mode == "pull"}
+
+    def push_module_names(self) -> set[str]:
+        """Modules run by Celery workers (``asyncflow worker``)."""
+        return self.module_names() - set(self.pull_modules())
+
     def import_path(self, module: str) -> str:
         decl = self.modules.get(module)
         return decl.import_path if decl and decl.import_path else f"modules.{module}"
@@ -130,7 +159,14 @@ class FlowSet:
         """
         problems: list[str] = []
         loaded: dict[str, Module | None] = {}
-        for name in sorted(self.module_names() if only is None else set(only)):
+        pull = set(self.pull_modules())
+        for name in sorted(self.push_module_names() if only is None else set(only)):
+            if name in pull:
+                problems.append(
+                    f"{self.source}: module {name!r} is pull-mode: external workers lease its steps "
+                    "through /v1/hold_tasks; no Celery worker runs it"
+                )
+                continue
             try:
                 loaded[name] = self.load_module(name)
             except ModuleError as exc:
@@ -138,7 +174,7 @@ class FlowSet:
                 problems.append(f"{self.source}: {exc}")
         for flow in self.flows.values():
             for i, kind, action in flow.actions():
-                module = loaded.get(action.module)
+                module = loaded.get(action.module)  # None for pull-mode: any command goes
                 if module is not None and action.command not in module.commands:
                     known = ", ".join(sorted(module.commands)) or "none"
                     problems.append(

@@ -59,11 +59,16 @@ class StepContext:
     @property
     def idempotency_key(self) -> str:
         """Same for every delivery of one attempt; differs between attempts."""
-        return self.key or f"{self.task_id}:{self.cursor}:{self.step_type}:{self.attempt}"
+        return self.key or idempotency_key(self.task_id, self.cursor, self.step_type, self.attempt)
 
     @property
     def is_rollback(self) -> bool:
         return self.step_type == 1
+
+
+def idempotency_key(task_id: str, cursor: int, step_type: int, attempt: int) -> str:
+    """The key a handler (push or pull) uses to make one attempt's side effects happen once."""
+    return f"{task_id}:{cursor}:{step_type}:{attempt}"
 
 
 Handler = Callable[[StepContext], "Mapping[str, Any] | PollLater | None"]

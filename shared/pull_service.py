@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.pull import (
     PullTask,
@@ -18,6 +18,9 @@ from shared.pull import (
 from shared.service import ServiceError, TaskNotFound
 from shared.storage.pull import PullStore
 
+if TYPE_CHECKING:
+    from shared.pull_steps import StepLeases
+
 MAX_CAS_ROUNDS = 20
 
 
@@ -25,19 +28,45 @@ class UnknownTaskType(ServiceError):
     status_code = 404
 
 
+class ReservedTaskType(ServiceError):
+    """The task type is a pull-mode module: flows.yaml owns its settings and its tasks."""
+
+    status_code = 409
+
+
 class PullService:
-    def __init__(self, store: PullStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: PullStore,
+        clock: Callable[[], float] = time.time,
+        steps: StepLeases | None = None,
+    ) -> None:
+        """``steps``: the task types that are pull-mode modules of flows.yaml, if any."""
         self.store = store
         self.clock = clock
+        self.steps = steps
+
+    def _flow_steps(self, task_type: str) -> StepLeases | None:
+        return self.steps if self.steps is not None and self.steps.owns(task_type) else None
+
+    def _not_reserved(self, task_type: str, what: str) -> None:
+        if self._flow_steps(task_type) is not None:
+            raise ReservedTaskType(
+                f"task type {task_type!r} is a pull-mode module of flows.yaml: {what}"
+            )
 
     def register_type(self, fields: Mapping[str, Any], partial: bool = False) -> TaskType:
         """Create or change a task type; ``partial`` keeps the fields not given (register_task)."""
+        self._not_reserved(str(fields.get("task_type")), "its settings are in flows.yaml")
         current = self.store.get_type(str(fields.get("task_type"))) if partial else None
         base = current.model_dump() if current is not None else {}
         config = TaskType.model_validate({**base, **{k: v for k, v in fields.items() if v is not None}})
         return self.store.save_type(config, self.clock())
 
     def task_type(self, name: str) -> TaskType:
+        steps = self._flow_steps(name)
+        if steps is not None:
+            return steps.types[name]
         config = self.store.get_type(name)
         if config is None:
             raise UnknownTaskType(f"unknown task_type {name!r}: register it with register_task_type")
@@ -52,21 +81,34 @@ class PullService:
         stage: str = "",
         task_id: str | None = None,
     ) -> tuple[PullTask, bool]:
+        self._not_reserved(task_type, "its tasks are the steps of flows; submit a flow")
         config = self.task_type(task_type)
         task_id = task_id or f"{uuid.uuid4().hex}_{task_type}"
         task = new_pull_task(task_id, config, user_id, stage, content, priority, self.clock())
         return self.store.create(task)
 
+    def types(self) -> list[TaskType]:
+        """Registered task types and those of pull-mode modules, by name."""
+        found = {t.task_type: t for t in self.store.types()}
+        found.update(self.steps.types if self.steps is not None else {})
+        return [found[name] for name in sorted(found)]
+
     def hold(self, task_type: str) -> list[PullTask]:
         config = self.task_type(task_type)
-        return self.store.hold(task_type, config.schedule_limit, self.clock())
+        leased = self.store.hold(task_type, config.schedule_limit, self.clock())
+        steps = self._flow_steps(task_type)
+        return steps.started(leased) if steps is not None and leased else leased
 
     def set(self, task_id: str, report: Report) -> PullTask:
+        task = self.get(task_id)
+        steps = self._flow_steps(task.task_type)
+        if steps is not None:
+            return steps.report(task, report, self.clock())
         for _ in range(MAX_CAS_ROUNDS):
-            task = self.get(task_id)
             new = reported(task, report, self.clock())  # raises InvalidReport
             if self.store.save(new):
                 return new
+            task = self.get(task_id)
         raise RuntimeError(f"task {task_id}: gave up after {MAX_CAS_ROUNDS} concurrent updates")
 
     def expire(self, limit: int = 500) -> int:

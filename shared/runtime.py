@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from functools import cached_property
 
 from shared.config import Settings
@@ -11,6 +13,7 @@ from shared.flows import FlowsError, FlowSet, load_flows
 from shared.messaging import AsyncflowCelery, CeleryPublisher, make_celery
 from shared.module import Module
 from shared.pull_service import PullService
+from shared.pull_steps import RoutingPublisher, StepLeases, StepQueue
 from shared.saga import Timing
 from shared.service import Publisher, TaskService
 from shared.storage import SqlStore, TaskStore, open_store
@@ -26,9 +29,11 @@ class Runtime:
         flows: FlowSet | None = None,
         store: TaskStore | None = None,
         publisher: Publisher | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        """``flows``, ``store`` and ``publisher`` replace the configured ones (tests, embedding)."""
+        """``flows``, ``store``, ``publisher`` and ``clock`` replace the configured ones (tests, embedding)."""
         self.settings = settings
+        self.clock = clock
         self._flows = flows
         self._store = store
         self._publisher = publisher
@@ -46,18 +51,28 @@ class Runtime:
         return make_celery(self.settings)
 
     @cached_property
+    def pull_store(self) -> PullStore:
+        """v1 pull-mode tasks live in the same SQL database as the saga's."""
+        if not isinstance(self.store, SqlStore):
+            raise RuntimeError("v1 pull-mode tasks and pull-mode modules need a SQL store")
+        return PullStore(self.store)
+
+    @cached_property
     def service(self) -> TaskService:
-        publisher = self._publisher or CeleryPublisher(self.celery, self.settings)
         s = self.settings
+        publisher = self._publisher or CeleryPublisher(self.celery, s)
+        pull_modules = self.flows.pull_modules()
+        if pull_modules:
+            publisher = RoutingPublisher(publisher, StepQueue(self.pull_store, pull_modules, s.expire_grace, self.clock))
         timing = Timing(s.requeue_after, s.expire_grace, s.publish_retry)
-        return TaskService(self.store, publisher, self.flows, timing=timing)
+        return TaskService(self.store, publisher, self.flows, clock=self.clock, timing=timing)
 
     @cached_property
     def pull_service(self) -> PullService:
-        """The v1 pull-mode tasks; they live in the same SQL database as the saga's."""
-        if not isinstance(self.store, SqlStore):
-            raise RuntimeError("v1 pull-mode tasks need a SQL store")
-        return PullService(PullStore(self.store))
+        steps = None
+        if self.flows.pull_modules():
+            steps = StepLeases(self.service, self.pull_store, self.flows, self.settings.expire_grace)
+        return PullService(self.pull_store, clock=self.clock, steps=steps)
 
     def load_modules(self, names: list[str]) -> dict[str, Module]:
         """Import ``names`` and check they provide every command the flows use."""

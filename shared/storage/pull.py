@@ -80,6 +80,34 @@ class PullStore:
                 raise TaskConflict(f"task id {task.task_id!r} is already used") from None
             return stored, False
 
+    def enqueue(self, task: PullTask) -> None:
+        """Insert ``task`` as pending; if its id exists, make it pending again unless it is.
+
+        A saga step published again (nobody started it in time) may have been
+        leased by a hold whose start was never recorded: it goes back in the queue.
+        A row still pending keeps its place (its order_time).
+        """
+        row = _row(replace(task, version=1))
+        stmt = self._upsert(row)
+        with self.sql.transaction() as conn:
+            conn.execute(stmt)
+
+    def _upsert(self, row: dict[str, Any]) -> Any:
+        dialect = self.sql.engine.dialect.name
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as dialect_insert
+        elif dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        else:
+            raise NotImplementedError(f"pull-mode modules need PostgreSQL or SQLite, not {dialect}")
+        stmt = dialect_insert(pull_tasks).values(**row)
+        again = {k: stmt.excluded[k] for k in row if k not in ("task_id", "create_time", "version")}
+        return stmt.on_conflict_do_update(
+            index_elements=[pull_tasks.c.task_id],
+            set_={**again, "version": pull_tasks.c.version + 1},
+            where=pull_tasks.c.status != int(PullStatus.PENDING),
+        )
+
     def get(self, task_id: str) -> PullTask | None:
         with self.sql.transaction(read_only=True) as conn:
             row = conn.execute(select(pull_tasks).where(pull_tasks.c.task_id == task_id)).first()

@@ -91,7 +91,8 @@ task_types = Table(
 pull_tasks = Table(
     "af_pull_tasks",
     metadata,
-    Column("task_id", String(64), primary_key=True),
+    # 80: room for a pull-mode saga step's "<task id (64)>.<seq>".
+    Column("task_id", String(80), primary_key=True),
     Column("task_type", String(64), nullable=False),
     Column("user_id", String(128), nullable=False),
     Column("task_stage", String(64), nullable=False),

@@ -304,6 +304,42 @@ def test_an_import_path_without_that_module_is_reported(testmod_on_path: None, t
     assert problem == f"{path}: module 'alpha': 'json' defines no Module('alpha')"
 
 
+# --- pull-mode modules ------------------------------------------------------------------------
+
+
+def test_pull_flows_load_and_the_pull_module_is_not_imported(testmod_on_path: None) -> None:
+    flows = load_flows(SUPPORT / "pull_flows.yaml", check_commands=True)
+    assert set(flows.pull_modules()) == {"dns"}
+    assert flows.pull_modules()["dns"].poll_interval == 0.3
+    assert flows.push_module_names() == {"alpha", "beta"}
+    assert flows.module_names() == {"alpha", "beta", "dns"}
+
+
+def test_a_pull_module_cannot_be_run_by_a_celery_worker(testmod_on_path: None) -> None:
+    flows = load_flows(SUPPORT / "pull_flows.yaml")
+    with pytest.raises(FlowsError) as info:
+        flows.check_commands(only=["alpha", "dns"])
+    (problem,) = info.value.problems
+    assert "module 'dns' is pull-mode" in problem and "/v1/hold_tasks" in problem
+
+
+@pytest.mark.parametrize(
+    ("decl", "expected"),
+    [
+        ({"mode": "pull", "import": "testmod"}, "modules.dns: a pull-mode module has no Python code to import"),
+        ({"import": "testmod", "poll_interval": 2}, "poll_interval: only for mode: pull"),
+        ({"mode": "pull", "poll_interval": 0}, "module 'dns': poll_interval: Input should be greater than 0"),
+        ({"mode": "queue"}, "module 'dns': mode: Input should be 'push' or 'pull'"),
+    ],
+)
+def test_pull_mode_declarations_are_checked(tmp_path: Path, decl: dict[str, Any], expected: str) -> None:
+    data = yaml.safe_load((SUPPORT / "pull_flows.yaml").read_text(encoding="utf-8"))
+    data["modules"]["dns"] = decl
+    (problem,) = problems_of(write(tmp_path, data))
+    assert expected.split(": ", 1)[-1] in problem, problem
+    assert "'dns'" in problem, problem
+
+
 # --- CLI: asyncflow flows validate -------------------------------------------------------------
 
 
