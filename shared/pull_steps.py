@@ -139,7 +139,8 @@ def step_event(report: Report, seq: int, task: Task, poll_interval: float, now: 
     result = step_result(report.task_content)
     if report.status is PullStatus.RUNNING:
         return None
-    if report.status is PullStatus.FAILED:
+    # Status 1 with a higher crt_retry_num is seed 001's way to report a failed attempt.
+    if report.status is PullStatus.FAILED or (report.crt_retry_num or 0) > 0:
         return Failed(seq, report.schedule_log or "the worker reported a failure")
     if report.status is PullStatus.PENDING:
         return PollLater(seq, poll_interval, result)

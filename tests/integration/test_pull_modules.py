@@ -32,6 +32,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette's test client warns about its httpx import
     from fastapi.testclient import TestClient
 
+from asyncflow.sdk import Done, Job, Worker
 from oss_api.app import create_app
 from tests.support import testmod
 
@@ -265,3 +266,33 @@ def test_a_result_that_is_not_a_json_object_is_refused_and_changes_nothing(flow:
     assert flow.status(task_id) is TaskStatus.RUNNING
     assert flow.set(step_id, 3, task_content="{}")["code"] == 0
     assert flow.status(task_id) is TaskStatus.SUCCESS
+
+
+def test_the_python_sdk_works_flow_steps_too(flow: Flow) -> None:
+    task_id = flow.submit(Name="db5")
+    worker = Worker("http://testserver", "dns", http=flow.http, poll_interval=0.05)
+    seen: list[dict[str, Any]] = []
+
+    @worker.stage("add_record")
+    def add(job: Job) -> Done:
+        step = job.content_json()
+        seen.append(step)
+        return Done({"Record": step["parameters"]["Name"] + ".example"})
+
+    with worker:
+        (outcome,) = worker.run_once()
+    assert outcome == Done({"Record": "db5.example"})
+    flow.run_push()
+    task = flow.service.get(task_id)
+    assert task.status is TaskStatus.SUCCESS and task.parameters["Record"] == "db5.example"
+    assert seen[0]["command"] == "add_record"
+
+
+def test_status_1_with_a_higher_retry_count_is_a_failed_attempt(flow: Flow) -> None:
+    task_id = flow.submit()
+    step_id, _, _ = flow.hold_one()
+    assert flow.set(step_id, 1, crt_retry_num=1, schedule_log="try again")["code"] == 0
+    step = flow.service.get(task_id).steps[1]
+    assert step.message == "try again"
+    flow.later(0.3)  # the retry's backoff
+    assert flow.hold_one()[2]["attempt"] == 2
