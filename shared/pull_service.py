@@ -69,7 +69,7 @@ class PullService:
             return steps.types[name]
         config = self.store.get_type(name)
         if config is None:
-            raise UnknownTaskType(f"unknown task_type {name!r}: register it with register_task_type")
+            raise _unknown(name)
         return config
 
     def create(
@@ -82,10 +82,13 @@ class PullService:
         task_id: str | None = None,
     ) -> tuple[PullTask, bool]:
         self._not_reserved(task_type, "its tasks are the steps of flows; submit a flow")
-        config = self.task_type(task_type)
         task_id = task_id or f"{uuid.uuid4().hex}_{task_type}"
-        task = new_pull_task(task_id, config, user_id, stage, content, priority, self.clock())
-        return self.store.create(task)
+        # The type's settings (retries, lease) are filled in by the store, in the same statement.
+        task = new_pull_task(task_id, TaskType(task_type=task_type), user_id, stage, content, priority, self.clock())
+        created = self.store.create(task)
+        if created is None:
+            raise _unknown(task_type)
+        return created
 
     def types(self) -> list[TaskType]:
         """Registered task types and those of pull-mode modules, by name."""
@@ -94,10 +97,15 @@ class PullService:
         return [found[name] for name in sorted(found)]
 
     def hold(self, task_type: str) -> list[PullTask]:
-        config = self.task_type(task_type)
-        leased = self.store.hold(task_type, config.schedule_limit, self.clock())
         steps = self._flow_steps(task_type)
-        return steps.started(leased) if steps is not None and leased else leased
+        if steps is not None:
+            leased = self.store.hold(task_type, steps.types[task_type].schedule_limit, self.clock())
+            return steps.started(leased) if leased else []
+        # schedule_limit is read by the claim itself: one statement per poll.
+        leased = self.store.hold(task_type, None, self.clock())
+        if not leased:
+            self.task_type(task_type)  # an unknown type is an error, not an empty queue
+        return leased
 
     def set(self, task_id: str, report: Report) -> PullTask:
         task = self.get(task_id)
@@ -126,3 +134,7 @@ class PullService:
         if task is None:
             raise TaskNotFound(f"no task {task_id!r}")
         return task
+
+
+def _unknown(task_type: str) -> UnknownTaskType:
+    return UnknownTaskType(f"unknown task_type {task_type!r}: register it with register_task_type")

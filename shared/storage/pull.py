@@ -10,13 +10,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, insert, literal, select, update
 from sqlalchemy.exc import IntegrityError
 
 from shared.pull import PullStatus, PullTask, TaskType
 from shared.storage.base import TaskConflict
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import SqlStore
+
+# Columns a new task takes from its type's settings.
+_FROM_TYPE = frozenset({"max_retry_num", "max_retry_interval", "max_processing_time"})
 
 
 def _row(task: PullTask) -> dict[str, Any]:
@@ -69,16 +72,35 @@ class PullStore:
 
     # --- tasks ----------------------------------------------------------------------
 
-    def create(self, task: PullTask) -> tuple[PullTask, bool]:
+    def create(self, task: PullTask) -> tuple[PullTask, bool] | None:
+        """Insert ``task`` with its type's retry and lease settings, read by the same statement.
+
+        None when the task type is not registered. On an existing id, returns
+        (stored task, False), or raises TaskConflict if it belongs to another
+        type or user. One statement instead of a read then a write: this is
+        the hot path of create_task.
+        """
+        row = _row(replace(task, version=1))
+        columns = list(row)
+        values = [
+            task_types.c[c] if c in _FROM_TYPE else literal(row[c], pull_tasks.c[c].type) for c in columns
+        ]
+        stmt = (
+            insert(pull_tasks)
+            .from_select(columns, select(*values).where(task_types.c.task_type == task.task_type))
+            .returning(*(pull_tasks.c[c] for c in sorted(_FROM_TYPE)))
+        )
         try:
             with self.sql.transaction() as conn:
-                conn.execute(insert(pull_tasks).values(**_row(replace(task, version=1))))
-            return replace(task, version=1), True
+                inserted = conn.execute(stmt).first()
         except IntegrityError:
             stored = self.get(task.task_id)
             if stored is None or (stored.task_type, stored.user_id) != (task.task_type, task.user_id):
                 raise TaskConflict(f"task id {task.task_id!r} is already used") from None
             return stored, False
+        if inserted is None:
+            return None
+        return replace(task, version=1, **dict(inserted._mapping)), True
 
     def enqueue(self, task: PullTask) -> None:
         """Insert ``task`` as pending; if its id exists, make it pending again unless it is.
@@ -142,8 +164,17 @@ class PullStore:
         with self.sql.transaction(read_only=True) as conn:
             return {int(status): int(n) for status, n in conn.execute(query)}
 
-    def hold(self, task_type: str, limit: int, now: float) -> list[PullTask]:
-        """Lease up to ``limit`` due pending tasks of ``task_type``, smallest order_time first."""
+    def hold(self, task_type: str, limit: int | None, now: float) -> list[PullTask]:
+        """Lease up to ``limit`` due pending tasks of ``task_type``, smallest order_time first.
+
+        ``limit`` None: the type's schedule_limit, read by the same statement.
+        """
+        if limit is None:
+            limit = (
+                select(task_types.c.schedule_limit)
+                .where(task_types.c.task_type == task_type)
+                .scalar_subquery()
+            )
         claim = (
             select(pull_tasks)
             .where(
