@@ -48,11 +48,14 @@ def up(port: int | None) -> None:
 @main.command()
 @click.option("--host", default=None)
 @click.option("--port", type=int, default=None)
-def api(host: str | None, port: int | None) -> None:
+@click.option("--workers", type=click.IntRange(1, 64), default=None, help="API processes (default 1)")
+def api(host: str | None, port: int | None, workers: int | None) -> None:
     """Run the intake HTTP API."""
     from asyncflow.serve import run_api
 
     settings = _settings()
+    if workers is not None:
+        settings = settings.model_copy(update={"api_workers": workers})
     _load(settings.flows)
     _check_api_keys(settings)
     run_api(settings, host or settings.api_host, port or settings.api_port)

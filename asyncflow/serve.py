@@ -30,7 +30,17 @@ def run_api(settings: Settings, host: str, port: int) -> None:
         upgrade(settings.resolved_database_url())
     runtime = Runtime(settings)
     runtime.flows  # noqa: B018 - fail at start-up on a bad flows.yaml, not on first request
-    uvicorn.run(create_app(runtime), host=host, port=port, log_config=None, access_log=False)
+    if settings.api_workers == 1:
+        uvicorn.run(create_app(runtime), host=host, port=port, log_config=None, access_log=False)
+        return
+    # Each worker process builds its app from the same environment; /metrics adds them up.
+    from asyncflow.metrics import prepare_multiprocess
+
+    prepare_multiprocess(settings)
+    uvicorn.run(
+        "oss_api.app:app_from_environment", factory=True, workers=settings.api_workers,
+        host=host, port=port, log_config=None, access_log=False,
+    )
 
 
 def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics_port: int = 0) -> None:

@@ -5,10 +5,12 @@
 
 import json
 import logging
+import os
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from oss_api import errors
 from oss_api.auth import CallerDep, caller, list_user, load_keys, log_mode, submit_user, visible_task
@@ -16,7 +18,9 @@ from oss_api.errors import MalformedBody, RequestTooLarge
 from oss_api.limits import BodyLimit
 from oss_api.schemas import SubmitRequest, TaskDocument, TaskList, UserId
 from oss_api.v1 import v1_routes
+from shared.config import load_settings
 from shared.flows import NAME
+from shared.logs import setup_logging
 from shared.runtime import Runtime
 from shared.saga import Cancel, Resume, Retry
 from shared.service import TaskService
@@ -53,9 +57,25 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.get("/metrics", tags=["operations"], response_class=Response)
     def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(_registry()), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def app_from_environment() -> FastAPI:
+    """The app of one of several API processes (``asyncflow api --workers N``)."""
+    settings = load_settings()
+    setup_logging(settings.log_level, "api")
+    return create_app(Runtime(settings))
+
+
+def _registry() -> CollectorRegistry:
+    """The metrics of every API process when there are several, else of this one."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return REGISTRY
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    return registry
 
 
 def _task_routes(runtime: Runtime) -> APIRouter:

@@ -26,6 +26,8 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    # API processes on one port (uvicorn workers): the API is stateless, so one per core.
+    api_workers: int = Field(default=1, ge=1, le=64)
     api_url: str | None = None
 
     # Intake limits (documented in the README); requests over them get a 413/422.
