@@ -12,7 +12,7 @@ Prints calls/s, latency percentiles and the machine, next to the seed's figures
 (create_task 3,000 QPS, hold_tasks 2,000 QPS on 2 cores / 4 GB with MySQL),
 which are quoted, not measured here.
 
-    python benchmarks/v1_api.py [--backend postgres|embedded] [--clients 8] [--seconds 10]
+    python benchmarks/v1_api.py [--backend postgres|embedded] [--clients 8] [--seconds 10] [--api-workers 1]
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--schedule-limit", type=int, default=1)
+    parser.add_argument("--api-workers", type=int, default=1, help="API processes (asyncflow api --workers)")
     args = parser.parse_args(argv)
 
     backend = Backend(args.backend)
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode != 0:
             raise SetupError(done.stderr)
         stack.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
-        stack.spawn("api", "api", "--port", str(stack.port))
+        stack.spawn("api", "api", "--port", str(stack.port), "--workers", str(args.api_workers))
         stack.wait_healthy(60)
         url = stack.url
         for task_type, limit in (("bench_create", 100), ("bench_hold", args.schedule_limit)):
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     m = machine_info()
     print(f"machine : {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; {m['os']}, kernel {m['kernel']}; "
           f"Python {m['python']}; load {m['loadavg_at_start']}")
-    print(f"backend : {args.backend} {backend.versions}; one `asyncflow api` process; "
+    print(f"backend : {args.backend} {backend.versions}; `asyncflow api --workers {args.api_workers}`; "
           f"{args.clients} client processes on the same machine, {args.seconds:g} s per phase")
     for name, r in results.items():
         extra = f", {args.schedule_limit} task(s) per call" if name == "hold_tasks" else ""

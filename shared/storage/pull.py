@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import func, insert, literal, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from shared.pull import PullStatus, PullTask, TaskType
@@ -20,6 +20,52 @@ from shared.storage.sql import SqlStore
 
 # Columns a new task takes from its type's settings.
 _FROM_TYPE = frozenset({"max_retry_num", "max_retry_interval", "max_processing_time"})
+
+
+def _create_statement() -> Any:
+    """INSERT … SELECT: the new row's own values as parameters, the type's settings from its row."""
+    columns = [c.name for c in pull_tasks.columns]
+    values = [
+        task_types.c[c] if c in _FROM_TYPE else bindparam(c, type_=pull_tasks.c[c].type) for c in columns
+    ]
+    chosen = select(*values).where(task_types.c.task_type == bindparam("task_type"))
+    returned = (pull_tasks.c[c] for c in sorted(_FROM_TYPE))
+    return insert(pull_tasks).from_select(columns, chosen).returning(*returned)
+
+
+def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
+    limit: Any = bindparam("held_limit")
+    if limit_of_type:
+        limit = select(task_types.c.schedule_limit).where(task_types.c.task_type == bindparam("held_type"))
+        limit = limit.scalar_subquery()
+    claim = (
+        select(pull_tasks.c.task_id)
+        .where(
+            pull_tasks.c.task_type == bindparam("held_type"),
+            pull_tasks.c.status == int(PullStatus.PENDING),
+            pull_tasks.c.order_time <= bindparam("held_at"),
+        )
+        .order_by(pull_tasks.c.order_time)
+        .limit(limit)
+    )
+    if skip_locked:
+        claim = claim.with_for_update(skip_locked=True)
+    now = bindparam("held_at", type_=pull_tasks.c.modify_time.type)
+    return (
+        update(pull_tasks)
+        .where(pull_tasks.c.task_id.in_(claim))
+        .values(
+            status=int(PullStatus.RUNNING),
+            modify_time=now,
+            lease_until=now + pull_tasks.c.max_processing_time,
+            version=pull_tasks.c.version + 1,
+        )
+        .returning(*pull_tasks.columns)
+    )
+
+
+# Built once: create_task is the hot path, and building it costs more than running it.
+_CREATE = _create_statement()
 
 
 def _row(task: PullTask) -> dict[str, Any]:
@@ -40,7 +86,10 @@ def _task(row: Any) -> PullTask:
 class PullStore:
     def __init__(self, sql: SqlStore) -> None:
         self.sql = sql
-        self._skip_locked = sql.engine.dialect.name == "postgresql"
+        # On PostgreSQL concurrent holds skip each other's rows; SQLite's write
+        # transaction (BEGIN IMMEDIATE) serializes them instead.
+        skip_locked = sql.engine.dialect.name == "postgresql"
+        self._hold = {by_type: _hold_statement(skip_locked, by_type) for by_type in (False, True)}
 
     # --- task types ---------------------------------------------------------------
 
@@ -81,18 +130,9 @@ class PullStore:
         the hot path of create_task.
         """
         row = _row(replace(task, version=1))
-        columns = list(row)
-        values = [
-            task_types.c[c] if c in _FROM_TYPE else literal(row[c], pull_tasks.c[c].type) for c in columns
-        ]
-        stmt = (
-            insert(pull_tasks)
-            .from_select(columns, select(*values).where(task_types.c.task_type == task.task_type))
-            .returning(*(pull_tasks.c[c] for c in sorted(_FROM_TYPE)))
-        )
         try:
             with self.sql.transaction() as conn:
-                inserted = conn.execute(stmt).first()
+                inserted = conn.execute(_CREATE, row).first()
         except IntegrityError:
             stored = self.get(task.task_id)
             if stored is None or (stored.task_type, stored.user_id) != (task.task_type, task.user_id):
@@ -168,42 +208,14 @@ class PullStore:
         """Lease up to ``limit`` due pending tasks of ``task_type``, smallest order_time first.
 
         ``limit`` None: the type's schedule_limit, read by the same statement.
+        One UPDATE … RETURNING whose subquery picks the rows.
         """
-        if limit is None:
-            limit = (
-                select(task_types.c.schedule_limit)
-                .where(task_types.c.task_type == task_type)
-                .scalar_subquery()
-            )
-        claim = (
-            select(pull_tasks)
-            .where(
-                pull_tasks.c.task_type == task_type,
-                pull_tasks.c.status == int(PullStatus.PENDING),
-                pull_tasks.c.order_time <= now,
-            )
-            .order_by(pull_tasks.c.order_time)
-            .limit(limit)
-        )
-        if self._skip_locked:
-            claim = claim.with_for_update(skip_locked=True)
+        params: dict[str, Any] = {"held_type": task_type, "held_at": now}
+        if limit is not None:
+            params["held_limit"] = limit
         with self.sql.transaction() as conn:
-            tasks = [_task(r) for r in conn.execute(claim)]
-            if not tasks:
-                return []
-            conn.execute(
-                update(pull_tasks)
-                .where(pull_tasks.c.task_id.in_([t.task_id for t in tasks]))
-                .values(
-                    status=int(PullStatus.RUNNING),
-                    modify_time=now,
-                    lease_until=now + pull_tasks.c.max_processing_time,
-                    version=pull_tasks.c.version + 1,
-                )
-            )
-        return [
-            replace(t, status=PullStatus.RUNNING, modify_time=now, version=t.version + 1) for t in tasks
-        ]
+            rows = conn.execute(self._hold[limit is None], params).all()
+        return sorted((_task(r) for r in rows), key=lambda t: t.order_time)
 
     def save(self, task: PullTask) -> bool:
         """Compare-and-set on the version, like the saga's task rows."""
