@@ -112,4 +112,6 @@ def _string_problem(text: str) -> str | None:
 
 
 def _clip(text: str, width: int = 40) -> str:
+    # The key goes into the error message: a lone surrogate in it would make the answer unencodable.
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= width else text[:width] + "…"

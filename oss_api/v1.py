@@ -7,15 +7,26 @@ Every answer is HTTP 200 with ``code`` (0 success) and ``msg`` (``SUCCESS`` or
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from oss_api.auth import Caller, Forbidden, caller
-from shared.pull import MAX_CONTENT_BYTES, MAX_LOG_BYTES, NAME, InvalidReport, PullStatus, PullTask, Report
+from oss_api.limits import json_problem
+from shared.pull import (
+    MAX_CONTENT_BYTES,
+    MAX_LOG_BYTES,
+    MAX_TASK_ID,
+    NAME,
+    InvalidReport,
+    PullStatus,
+    PullTask,
+    Report,
+)
 from shared.pull_service import PullService, ReservedTaskType, UnknownTaskType
 from shared.pull_steps import InvalidStepReport
 from shared.runtime import Runtime
@@ -32,8 +43,7 @@ CODES = {
     "DB_UNAVAILABLE": 5,
     "INTERNAL": 6,
 }
-# Up to 80: a pull-mode flow step's id is "<task id>.<seq>".
-TASK_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,79}$"
+TASK_ID = rf"^[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_TASK_ID - 1}}}$"
 
 
 class _Body(BaseModel):
@@ -129,6 +139,12 @@ async def _parse(request: Request, model: type[_Body]) -> Any:
         data = json.loads(await request.body())
     except ValueError as exc:
         raise V1Error("INPUT_INVALID", f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise V1Error("INPUT_INVALID", "body is not JSON this server can read: nested too deeply") from None
+    # NUL and lone surrogates pass JSON parsing but no database stores them.
+    problem = json_problem(data, "body")
+    if problem:
+        raise V1Error("INPUT_INVALID", problem)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -255,15 +271,23 @@ def v1_routes(runtime: Runtime) -> APIRouter:
     def get_task_list(
         who: Who,
         task_type: str | None = None,
-        status: Annotated[int | None, Query()] = None,
-        limit: Annotated[int, Query()] = 100,
+        status: str | None = None,
+        limit: str = "100",
         stage: str | None = None,
     ) -> dict[str, Any]:
+        # Query values are parsed here, not by FastAPI, so that a bad one is a
+        # v1 answer (code 1) rather than FastAPI's HTTP 422.
         def call() -> dict[str, Any]:
-            if not 1 <= limit <= runtime.settings.list_limit_max:
-                raise V1Error("INPUT_INVALID", f"limit must be 1..{runtime.settings.list_limit_max}")
+            max_limit = runtime.settings.list_limit_max
+            count = _integer("limit", limit, 1, max_limit)
+            wanted = None if status is None else _integer("status", status, min(PullStatus), max(PullStatus))
+            if task_type is not None:
+                _type_name(task_type)
+            problem = json_problem(stage, "stage")
+            if problem:
+                raise V1Error("INPUT_INVALID", problem)
             user = None if who.admin else who.user
-            tasks = service().store.list(task_type, status, stage, limit, user_id=user)
+            tasks = service().store.list(task_type, wanted, stage, count, user_id=user)
             return ok(task_list=[task_json(t) for t in tasks])
 
         return _answer(call)
@@ -272,7 +296,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
     def get_task_counts_by_type(who: Who, task_type: str = "") -> dict[str, Any]:
         def call() -> dict[str, Any]:
             admin(who)
-            service().task_type(task_type)
+            service().task_type(_type_name(task_type))
             counts = service().store.count(task_type)
             by_status = {str(s): counts.get(int(s), 0) for s in PullStatus}
             return ok(task_count=sum(counts.values()), task_count_by_status=by_status)
@@ -283,11 +307,25 @@ def v1_routes(runtime: Runtime) -> APIRouter:
 
 
 def _id(task_id: str) -> str:
-    import re
-
     if not re.fullmatch(TASK_ID, task_id):
         raise V1Error("INPUT_INVALID", "task_id is missing or not a task id")
     return task_id
+
+
+def _type_name(task_type: str) -> str:
+    if not re.fullmatch(NAME, task_type):
+        raise V1Error("INPUT_INVALID", f"task_type must match {NAME}")
+    return task_type
+
+
+def _integer(name: str, text: str, low: int, high: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise V1Error("INPUT_INVALID", f"{name} must be an integer, not {text[:40]!r}") from None
+    if not low <= value <= high:
+        raise V1Error("INPUT_INVALID", f"{name} must be {low}..{high}")
+    return value
 
 
 async def _post(request: Request, model: type[Any], act: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:

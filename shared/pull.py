@@ -20,6 +20,8 @@ from enum import IntEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+# Room for a pull-mode saga step's "<task id (64)>.<seq>"; the width of af_pull_tasks.task_id.
+MAX_TASK_ID = 80
 MAX_CONTENT_BYTES = 4096  # seed 001 §三.2: task_content is a small context (JSON, a URL...)
 MAX_LOG_BYTES = 4096
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from shared.pull import (
+    MAX_TASK_ID,
     PullTask,
     Report,
     TaskType,
@@ -82,7 +83,8 @@ class PullService:
         task_id: str | None = None,
     ) -> tuple[PullTask, bool]:
         self._not_reserved(task_type, "its tasks are the steps of flows; submit a flow")
-        task_id = task_id or f"{uuid.uuid4().hex}_{task_type}"
+        # The type in the id is for people reading it; the uuid makes it unique, so it may be cut.
+        task_id = task_id or f"{uuid.uuid4().hex}_{task_type}"[:MAX_TASK_ID]
         # The type's settings (retries, lease) are filled in by the store, in the same statement.
         task = new_pull_task(task_id, TaskType(task_type=task_type), user_id, stage, content, priority, self.clock())
         created = self.store.create(task)

@@ -37,7 +37,8 @@ def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
     limit: Any = bindparam("held_limit")
     if limit_of_type:
         limit = select(task_types.c.schedule_limit).where(task_types.c.task_type == bindparam("held_type"))
-        limit = limit.scalar_subquery()
+        # No such type: LIMIT 0, not LIMIT NULL (no limit on PostgreSQL, an error on SQLite).
+        limit = func.coalesce(limit.scalar_subquery(), 0)
     claim = (
         select(pull_tasks.c.task_id)
         .where(

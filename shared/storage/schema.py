@@ -17,6 +17,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
+from shared.pull import MAX_TASK_ID
+
 metadata = MetaData()
 
 # JSONB on PostgreSQL, JSON text elsewhere.
@@ -91,8 +93,7 @@ task_types = Table(
 pull_tasks = Table(
     "af_pull_tasks",
     metadata,
-    # 80: room for a pull-mode saga step's "<task id (64)>.<seq>".
-    Column("task_id", String(80), primary_key=True),
+    Column("task_id", String(MAX_TASK_ID), primary_key=True),
     Column("task_type", String(64), nullable=False),
     Column("user_id", String(128), nullable=False),
     Column("task_stage", String(64), nullable=False),
