@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from oss_api.auth import Caller, Forbidden, caller
@@ -48,7 +48,14 @@ TASK_ID = rf"^[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_TASK_ID - 1}}}$"
 
 class _Body(BaseModel):
     # Clients written for other servers may send more fields: ignore, don't refuse.
-    model_config = ConfigDict(extra="ignore")
+    # Strict: a JSON string or boolean where a number belongs is a wrong type, not a number.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_absent(cls, data: Any) -> Any:
+        # Clients that serialize every field of a struct send null for the ones they leave out.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class CreateTaskData(_Body):
@@ -58,6 +65,12 @@ class CreateTaskData(_Body):
     task_priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     user_id: str = Field(default="", max_length=128)
     task_stage: str = Field(default="", max_length=64)
+
+    # Seed 000: task_id is "not filled" at creation; clients built on structs send "" for that.
+    @field_validator("task_id", mode="before")
+    @classmethod
+    def empty_id_is_absent(cls, value: Any) -> Any:
+        return None if value == "" else value
 
 
 class CreateTask(_Body):
@@ -93,6 +106,13 @@ class SetTaskData(_Body):
     crt_retry_num: int | None = Field(default=None, ge=0)
     task_stage: str | None = Field(default=None, max_length=64)
     task_content: str | None = Field(default=None, max_length=MAX_CONTENT_BYTES)
+
+    # An empty string keeps the stored value, as a zero value did in the original server:
+    # clients that send every field of their struct must not wipe the stage or the context.
+    @field_validator("task_stage", "task_content", "schedule_log", mode="before")
+    @classmethod
+    def empty_is_unchanged(cls, value: Any) -> Any:
+        return None if value == "" else value
 
 
 class SetTask(_Body):

@@ -221,6 +221,29 @@ def test_multi_stage_goes_behind_waiting_tasks(v1: V1) -> None:
     assert v1.get("get_task", task_id=first)["task_data"]["status"] == 3
 
 
+def test_a_worker_that_sends_every_field_of_its_struct(v1: V1) -> None:
+    """Zero values ("" and null, as struct-based clients send them) leave the stored value alone."""
+    v1.register(schedule_limit=1)
+    blank = {"task_id": "", "user_id": "", "task_stage": "", "task_content": "", "task_priority": 0}
+    answer = v1.post("create_task", {"task_data": {**blank, "task_type": "video", "task_stage": "submit",
+                                                   "task_content": '{"url":"u"}'}})
+    assert answer["code"] == 0, answer
+    task_id = answer["task_id"]
+    (held,) = v1.hold()
+    # "Not done yet, look again later": the held struct sent back with its status set to pending.
+    again = {**held, "status": 1, "task_stage": "", "task_content": "", "schedule_log": None}
+    assert v1.set(**again)["code"] == 0
+    data = v1.get("get_task", task_id=task_id)["task_data"]
+    assert (data["status"], data["stage"], data["task_content"], data["crt_retry_num"]) == (
+        1, "submit", '{"url":"u"}', 0
+    )
+    v1.hold()
+    assert v1.set(task_id=task_id, task_type="video", status=3, task_stage="", task_content="",
+                  schedule_log="", crt_retry_num=0)["code"] == 0
+    data = v1.get("get_task", task_id=task_id)["task_data"]
+    assert (data["status"], data["stage"], data["task_content"]) == (3, "submit", '{"url":"u"}')
+
+
 def test_set_task_refusals(v1: V1) -> None:
     v1.register()
     task_id = v1.create()

@@ -462,9 +462,22 @@ EXPLICIT: list[tuple[str, str, Any, int]] = [
     *[
         (f"task-id-{name}", "create_task", {"task_data": {"task_type": "video", "task_id": task_id}}, 1)
         for name, task_id in [("slash", "a/b"), ("root", "/"), ("dotdot", ".."), ("traversal", "../../etc"),
-                              ("space", "a b"), ("blank", " "), ("empty", ""), ("81-chars", "x" * 81),
+                              ("space", "a b"), ("blank", " "), ("81-chars", "x" * 81),
                               ("unicode", "tâche"), ("cjk", "任务"), ("nul", "a\x00"), ("newline", "a\n")]
     ],
+    # Seed 000: task_id is left empty at creation; "" is how struct-based clients leave it.
+    ("task-id-empty-is-generated", "create_task", {"task_data": {"task_type": "video", "task_id": ""}}, 0),
+    # Clients that serialize every field send null for the ones they leave out.
+    ("null-fields-are-absent", "create_task",
+     {"task_data": {"task_type": "video", "task_id": None, "task_priority": None, "task_content": None}}, 0),
+    ("null-required-field", "create_task", {"task_data": {"task_type": None}}, 1),
+    # Strict JSON types: a string or a boolean where a number belongs is a wrong type.
+    ("priority-numeric-string", "create_task", {"task_data": {"task_type": "video", "task_priority": "5"}}, 1),
+    ("priority-boolean", "create_task", {"task_data": {"task_type": "video", "task_priority": True}}, 1),
+    ("status-numeric-string", "set_task", {"task_data": {"task_id": "x1", "status": "3"}}, 1),
+    ("status-float", "set_task", {"task_data": {"task_id": "x1", "status": 3.0}}, 1),
+    ("limit-numeric-string", "register_task", {"task_config_data": {"task_type": "video", "schedule_limit": "5"}},
+     1),
     # 80, not 64: the id of a pull-mode flow step is "<task id>.<seq>".
     ("task-id-65-chars", "create_task", {"task_data": {"task_type": "video", "task_id": "y" * 65}}, 0),
     ("task-id-80-chars", "create_task", {"task_data": {"task_type": "video", "task_id": "z" * 80}}, 0),
