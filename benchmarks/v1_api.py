@@ -13,12 +13,16 @@ Prints calls/s, latency percentiles and the machine, next to the seed's figures
 which are quoted, not measured here.
 
     python benchmarks/v1_api.py [--backend postgres|embedded] [--clients 8] [--seconds 10] [--api-workers 1]
+                                [--load python|wrk]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,6 +69,47 @@ def phase(pool: Any, url: str, path: str, body: dict[str, Any], clients: int, se
     }
 
 
+# wrk's Lua hooks: POST the body, count answers that are not HTTP 200 with code 0.
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = %s
+wrk.headers["Content-Type"] = "application/json"
+bad = 0
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+function response(status, headers, body)
+  if status ~= 200 or not body:find('"code":0,', 1, true) then bad = bad + 1 end
+end
+function done(summary, latency, requests)
+  local total = 0
+  for _, t in ipairs(threads) do total = total + t:get("bad") end
+  io.write(string.format("CALLS %%d BAD %%d P50 %%d P99 %%d\\n", summary.requests, total,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+def wrk_phase(url: str, path: str, body: dict[str, Any], connections: int, seconds: float) -> dict[str, Any]:
+    """The same phase driven by wrk (C, one process): the clients take less of the machine."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(WRK_SCRIPT % json.dumps(json.dumps(body)))
+    try:
+        done = subprocess.run(
+            ["wrk", "-t2", f"-c{connections}", f"-d{seconds:g}s", "-s", script.name, url + path],
+            capture_output=True, text=True, timeout=seconds + 60, check=True,
+        )
+    finally:
+        Path(script.name).unlink()
+    found = re.search(r"CALLS (\d+) BAD (\d+) P50 (\d+) P99 (\d+)", done.stdout)
+    if found is None:
+        raise SetupError(f"wrk printed no summary: {done.stdout} {done.stderr}")
+    calls, bad, p50_us, p99_us = (int(g) for g in found.groups())
+    return {
+        "calls": calls - bad, "errors": bad, "calls_per_s": (calls - bad) / seconds, "wall_s": seconds,
+        "p50_ms": p50_us / 1000, "p99_ms": p99_us / 1000,
+    }
+
+
 def prefill(database_url: str, task_type: str, count: int) -> None:
     """Bulk-insert pending tasks straight into the table (the thing measured is hold_tasks)."""
     from sqlalchemy import insert
@@ -95,7 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--schedule-limit", type=int, default=1)
     parser.add_argument("--api-workers", type=int, default=1, help="API processes (asyncflow api --workers)")
+    parser.add_argument(
+        "--load", choices=["python", "wrk"], default="python",
+        help="clients: --clients Python processes, or wrk with --clients connections (as seed 000 measured)",
+    )
     args = parser.parse_args(argv)
+    if args.load == "wrk" and shutil.which("wrk") is None:
+        parser.error("--load wrk needs wrk on PATH (Debian: apt-get install wrk)")
 
     backend = Backend(args.backend)
     home = Path(tempfile.mkdtemp(prefix="af-v1-bench-"))
@@ -122,18 +173,18 @@ def main(argv: list[str] | None = None) -> int:
         log(f"bulk-loading {needed} pending tasks for hold_tasks")
         prefill(database_url, "bench_hold", needed)
 
+        calls = {
+            "create_task": {"task_data": {"task_type": "bench_create", "task_content": "y" * 60}},
+            "hold_tasks": {"task_type": "bench_hold"},
+        }
         results = {}
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
-            log("create_task phase")
-            results["create_task"] = phase(
-                pool, url, "/v1/create_task",
-                {"task_data": {"task_type": "bench_create", "task_content": "y" * 60}},
-                args.clients, args.seconds,
-            )
-            log("hold_tasks phase")
-            results["hold_tasks"] = phase(
-                pool, url, "/v1/hold_tasks", {"task_type": "bench_hold"}, args.clients, args.seconds
-            )
+            for name, body in calls.items():
+                log(f"{name} phase")
+                if args.load == "wrk":
+                    results[name] = wrk_phase(url, "/v1/" + name, body, args.clients, args.seconds)
+                else:
+                    results[name] = phase(pool, url, "/v1/" + name, body, args.clients, args.seconds)
         stack.check_alive()
     except SetupError as exc:
         log(f"setup failed: {exc}")
@@ -144,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         backend.cleanup()
 
     m = machine_info()
+    clients = (
+        f"wrk with {args.clients} connections" if args.load == "wrk" else f"{args.clients} client processes"
+    ) + " on the same machine"
     print(f"machine : {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; {m['os']}, kernel {m['kernel']}; "
           f"Python {m['python']}; load {m['loadavg_at_start']}")
     print(f"backend : {args.backend} {backend.versions}; `asyncflow api --workers {args.api_workers}`; "
-          f"{args.clients} client processes on the same machine, {args.seconds:g} s per phase")
+          f"{clients}, {args.seconds:g} s per phase")
     for name, r in results.items():
         extra = f", {args.schedule_limit} task(s) per call" if name == "hold_tasks" else ""
         print(f"{name:<12}: {r['calls_per_s']:8.0f} calls/s ({r['calls']} ok, {r['errors']} errors{extra}); "

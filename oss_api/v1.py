@@ -9,13 +9,13 @@ import json
 import logging
 import re
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from oss_api.auth import Caller, Forbidden, caller
+from oss_api.auth import Caller, Forbidden, request_caller
 from oss_api.limits import json_problem
 from shared.pull import (
     MAX_CONTENT_BYTES,
@@ -199,7 +199,6 @@ def _answer(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def v1_routes(runtime: Runtime) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["v1 (pull-mode workers)"])
-    Who = Annotated[Caller, Depends(caller)]
 
     def service() -> PullService:
         return runtime.pull_service
@@ -219,7 +218,8 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return ok()
 
     @router.post("/create_task")
-    async def create_task(request: Request, who: Who) -> dict[str, Any]:
+    async def create_task(request: Request) -> dict[str, Any]:
+        who = request_caller(request)
         def call(body: CreateTask) -> dict[str, Any]:
             data = body.task_data
             user = data.user_id
@@ -235,7 +235,8 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, CreateTask, call)
 
     @router.post("/register_task_type")
-    async def register_task_type(request: Request, who: Who) -> dict[str, Any]:
+    async def register_task_type(request: Request) -> dict[str, Any]:
+        who = request_caller(request)
         def call(body: RegisterTaskType) -> dict[str, Any]:
             admin(who)
             service().register_type(body.task_type_data.model_dump(), partial=False)
@@ -244,7 +245,8 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, RegisterTaskType, call)
 
     @router.post("/register_task")
-    async def register_task(request: Request, who: Who) -> dict[str, Any]:
+    async def register_task(request: Request) -> dict[str, Any]:
+        who = request_caller(request)
         def call(body: RegisterTask) -> dict[str, Any]:
             admin(who)
             service().register_type(body.task_config_data.model_dump(), partial=True)
@@ -253,7 +255,8 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, RegisterTask, call)
 
     @router.post("/hold_tasks")
-    async def hold_tasks(request: Request, who: Who) -> dict[str, Any]:
+    async def hold_tasks(request: Request) -> dict[str, Any]:
+        who = request_caller(request)
         def call(body: HoldTasks) -> dict[str, Any]:
             admin(who)
             return ok(task_list=[task_json(t) for t in service().hold(body.task_type)])
@@ -261,7 +264,8 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, HoldTasks, call)
 
     @router.post("/set_task")
-    async def set_task(request: Request, who: Who) -> dict[str, Any]:
+    async def set_task(request: Request) -> dict[str, Any]:
+        who = request_caller(request)
         def call(body: SetTask) -> dict[str, Any]:
             admin(who)
             data = body.task_data
@@ -278,18 +282,20 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, SetTask, call)
 
     @router.get("/get_task")
-    def get_task(who: Who, task_id: str = "") -> dict[str, Any]:
+    def get_task(request: Request, task_id: str = "") -> dict[str, Any]:
+        who = request_caller(request)
         return _answer(lambda: ok(task_data=task_json(owner(who, service().get(_id(task_id))))))
 
     @router.get("/get_task_schedule_cfg_list")
-    def get_task_schedule_cfg_list(who: Who) -> dict[str, Any]:
+    def get_task_schedule_cfg_list(request: Request) -> dict[str, Any]:
+        request_caller(request)
         return _answer(
             lambda: ok(task_schedule_cfg_list=[t.model_dump() for t in service().types()])
         )
 
     @router.get("/get_task_list")
     def get_task_list(
-        who: Who,
+        request: Request,
         task_type: str | None = None,
         status: str | None = None,
         limit: str = "100",
@@ -297,6 +303,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
     ) -> dict[str, Any]:
         # Query values are parsed here, not by FastAPI, so that a bad one is a
         # v1 answer (code 1) rather than FastAPI's HTTP 422.
+        who = request_caller(request)
         def call() -> dict[str, Any]:
             max_limit = runtime.settings.list_limit_max
             count = _integer("limit", limit, 1, max_limit)
@@ -313,7 +320,8 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return _answer(call)
 
     @router.get("/get_task_counts_by_type")
-    def get_task_counts_by_type(who: Who, task_type: str = "") -> dict[str, Any]:
+    def get_task_counts_by_type(request: Request, task_type: str = "") -> dict[str, Any]:
+        who = request_caller(request)
         def call() -> dict[str, Any]:
             admin(who)
             service().task_type(_type_name(task_type))

@@ -169,7 +169,10 @@ class SqliteStore(SqlStore):
 
 class PostgresStore(SqlStore):
     def _make_engine(self, url: str) -> Engine:
-        return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+        # Connections are kept, not opened per burst: a new PostgreSQL connection costs
+        # a backend process and several round trips, more than the statement it serves.
+        # 20 covers the API's request threads; overflow connections are closed on return.
+        return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=20)
 
 
 def open_store(url: str) -> SqlStore:
