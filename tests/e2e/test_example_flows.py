@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from modules import _db, monitor, mysql, resource
@@ -30,7 +31,20 @@ def example(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         groups = [["resource"], ["mysql"], ["monitor"]]
     with open_stack(request.param, tmp_path_factory.mktemp(request.param), env, groups) as stack:
         yield stack
+        drop_instances(stack)
     _db.dispose_engines()
+
+
+def drop_instances(stack: Stack) -> None:
+    """The instances are databases of their own on the server: they outlive the stack's."""
+    admin = stack.env.get("ASYNCFLOW_MYSQL_ADMIN_URL")
+    if admin is None:
+        return
+    listed = httpx.get(f"{stack.url}/api/tasks", params={"limit": 1000}, timeout=10)
+    assert listed.status_code == 200, listed.text
+    server = mysql.PostgresServer(admin)
+    for name in {t["parameters"].get("InstanceName") for t in listed.json()["tasks"]} - {None}:
+        server.drop(name)
 
 
 def settings_of(stack: Stack) -> Settings:
