@@ -43,7 +43,7 @@ WORKER_CODE = r'''
 import json, os, sys, time
 import httpx
 
-url, task_type, out_path = sys.argv[1:4]
+url, task_type, out_path, limit = sys.argv[1:5]
 pid = os.getpid()
 empty = 0
 with httpx.Client(base_url=url, timeout=30) as client, open(out_path, "w") as out:
@@ -60,6 +60,10 @@ with httpx.Client(base_url=url, timeout=30) as client, open(out_path, "w") as ou
             out.flush()
             sys.exit(3)
         batch = answer["task_list"]
+        if len(batch) > int(limit):
+            out.write(json.dumps({"hold_error": "%d tasks in one hold, over schedule_limit" % len(batch)}) + "\n")
+            out.flush()
+            sys.exit(4)
         if batch:
             empty = 0
         for task in batch:
@@ -137,7 +141,7 @@ def test_eight_worker_processes_lease_each_task_exactly_once(v1_stack: Stack, tm
     started = time.monotonic()
     workers = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER_CODE, url, TASK_TYPE, str(out)],
+            [sys.executable, "-c", WORKER_CODE, url, TASK_TYPE, str(out), str(SCHEDULE_LIMIT)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for out in outputs
