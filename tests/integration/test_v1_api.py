@@ -120,6 +120,16 @@ def test_register_task_type_defaults_and_register_task_changes_some_fields(v1: V
     ]
 
 
+def test_register_task_on_a_new_type_creates_it(v1: V1) -> None:
+    # Seed 000 §一.1.2: register_task inserts the type's configuration too.
+    answer = v1.post("register_task", {"task_config_data": {"task_type": "image", "schedule_limit": 3}})
+    assert answer == {"code": 0, "msg": "SUCCESS"}
+    (config,) = v1.get("get_task_schedule_cfg_list")["task_schedule_cfg_list"]
+    assert config == {"task_type": "image", "schedule_limit": 3, "schedule_interval": 1, "max_processing_time": 300,
+                      "max_retry_num": 3, "max_retry_interval": 10}
+    assert v1.post("create_task", {"task_data": {"task_type": "image"}})["code"] == 0
+
+
 def test_create_get_and_every_field(v1: V1) -> None:
     v1.register()
     task_id = v1.create(task_content='{"SourceUrl":"http://v/1"}', task_priority=3, user_id="alice")
