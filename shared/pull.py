@@ -167,7 +167,12 @@ def reported(task: PullTask, report: Report, now: float) -> PullTask:
 
 
 def lease_expired(task: PullTask, now: float) -> PullTask | None:
-    """A running task past max_processing_time counts as a failed attempt (seed 000 §三.5)."""
+    """A running task past max_processing_time counts as a failed attempt (seed 000 §三.5).
+
+    A line is added to schedule_log, so whoever reads the task sees why it ran again.
+    """
     if task.status is not PullStatus.RUNNING or now < task.modify_time + task.max_processing_time:
         return None
-    return _failed_attempt(task, now)
+    line = f"lease expired: no report within max_processing_time ({task.max_processing_time} s)"
+    log = f"{task.schedule_log}\n{line}" if task.schedule_log else line
+    return _failed_attempt(replace(task, schedule_log=log[-MAX_LOG_BYTES:]), now)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from shared.pull import (
+    MAX_LOG_BYTES,
     InvalidReport,
     PullStatus,
     Report,
@@ -78,4 +81,10 @@ def test_lease_expiry_counts_as_a_failed_attempt() -> None:
     assert lease_expired(t, NOW + 59) is None
     back = lease_expired(t, NOW + 60)
     assert back is not None and back.status is PullStatus.PENDING and back.crt_retry_num == 1
+    assert back.schedule_log == "lease expired: no report within max_processing_time (60 s)"
+    # Added to what the workers wrote, and kept within the log's size.
+    long = replace(leased(task(max_processing_time=60), NOW), schedule_log="x" * MAX_LOG_BYTES)
+    again = lease_expired(long, NOW + 60)
+    assert again is not None and len(again.schedule_log) == MAX_LOG_BYTES
+    assert again.schedule_log.endswith("x\nlease expired: no report within max_processing_time (60 s)")
     assert lease_expired(task(), NOW + 10_000) is None  # pending: no lease
