@@ -16,3 +16,11 @@ RETRIES = Counter("asyncflow_step_retries_total", "Failed attempts that will be 
 ROLLBACKS = Counter("asyncflow_rollbacks_total", "Rollback commands dispatched", ["flow", "module"])
 STALE = Counter("asyncflow_stale_messages_total", "Step messages ignored as duplicate or stale", ["module"])
 ALARMS = Counter("asyncflow_alarms_total", "Compensations that failed", ["flow", "module"])
+
+# The v1 API (pull-mode tasks), by task type.
+V1_CREATED = Counter("asyncflow_v1_tasks_created_total", "v1 tasks created", ["task_type"])
+V1_LEASED = Counter("asyncflow_v1_tasks_leased_total", "v1 tasks handed out by hold_tasks", ["task_type"])
+V1_REPORTED = Counter("asyncflow_v1_reports_total", "set_task calls accepted, by reported status", ["task_type", "status"])
+V1_FINISHED = Counter(
+    "asyncflow_v1_tasks_finished_total", "v1 tasks ended by a set_task (3 success, 4 failed)", ["task_type", "status"]
+)

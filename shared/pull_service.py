@@ -7,8 +7,10 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from shared import metrics
 from shared.pull import (
     MAX_TASK_ID,
+    PullStatus,
     PullTask,
     Report,
     TaskType,
@@ -90,6 +92,8 @@ class PullService:
         created = self.store.create(task)
         if created is None:
             raise _unknown(task_type)
+        if created[1]:
+            metrics.V1_CREATED.labels(task_type).inc()
         return created
 
     def types(self) -> list[TaskType]:
@@ -102,24 +106,32 @@ class PullService:
         steps = self._flow_steps(task_type)
         if steps is not None:
             leased = self.store.hold(task_type, steps.types[task_type].schedule_limit, self.clock())
-            return steps.started(leased) if leased else []
-        # schedule_limit is read by the claim itself: one statement per poll.
-        leased = self.store.hold(task_type, None, self.clock())
-        if not leased:
-            self.task_type(task_type)  # an unknown type is an error, not an empty queue
+            leased = steps.started(leased) if leased else []
+        else:
+            # schedule_limit is read by the claim itself: one statement per poll.
+            leased = self.store.hold(task_type, None, self.clock())
+            if not leased:
+                self.task_type(task_type)  # an unknown type is an error, not an empty queue
+        if leased:
+            metrics.V1_LEASED.labels(task_type).inc(len(leased))
         return leased
 
     def set(self, task_id: str, report: Report) -> PullTask:
         task = self.get(task_id)
         steps = self._flow_steps(task.task_type)
-        if steps is not None:
-            return steps.report(task, report, self.clock())
+        new = steps.report(task, report, self.clock()) if steps is not None else self._save_report(task, report)
+        metrics.V1_REPORTED.labels(task.task_type, int(report.status)).inc()
+        if new.status in (PullStatus.SUCCESS, PullStatus.FAILED):
+            metrics.V1_FINISHED.labels(task.task_type, int(new.status)).inc()
+        return new
+
+    def _save_report(self, task: PullTask, report: Report) -> PullTask:
         for _ in range(MAX_CAS_ROUNDS):
             new = reported(task, report, self.clock())  # raises InvalidReport
             if self.store.save(new):
                 return new
-            task = self.get(task_id)
-        raise RuntimeError(f"task {task_id}: gave up after {MAX_CAS_ROUNDS} concurrent updates")
+            task = self.get(task.task_id)
+        raise RuntimeError(f"task {task.task_id}: gave up after {MAX_CAS_ROUNDS} concurrent updates")
 
     def expire(self, limit: int = 500) -> int:
         """Leases past max_processing_time: a failed attempt each (retry or fail)."""

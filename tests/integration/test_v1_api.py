@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import create_engine, delete
 
 from shared.config import Settings
@@ -275,6 +276,38 @@ def test_lease_expiry_returns_the_task_to_pending(v1: V1) -> None:
     assert service.expire() == 1
     data = v1.get("get_task", task_id=task_id)["task_data"]
     assert (data["status"], data["crt_retry_num"]) == (1, 1)
+
+
+def test_metrics_count_creates_leases_reports_and_endings(v1: V1) -> None:
+    def counts() -> dict[str, float]:
+        samples = {
+            "created": ("asyncflow_v1_tasks_created_total", {}),
+            "leased": ("asyncflow_v1_tasks_leased_total", {}),
+            "reported 1": ("asyncflow_v1_reports_total", {"status": "1"}),
+            "reported 3": ("asyncflow_v1_reports_total", {"status": "3"}),
+            "reported 4": ("asyncflow_v1_reports_total", {"status": "4"}),
+            "succeeded": ("asyncflow_v1_tasks_finished_total", {"status": "3"}),
+            "failed": ("asyncflow_v1_tasks_finished_total", {"status": "4"}),
+        }
+        return {
+            key: REGISTRY.get_sample_value(name, {"task_type": "video", **labels}) or 0.0
+            for key, (name, labels) in samples.items()
+        }
+
+    v1.register(max_retry_num=0)
+    before = counts()
+    done, failed, staged = v1.create(), v1.create(), v1.create()
+    v1.create(task_id=done)  # the same task again: not a new one
+    assert len(v1.hold()) == 3
+    v1.set(task_id=done, status=3)
+    v1.set(task_id=failed, status=4)
+    v1.set(task_id=staged, status=1, task_stage="next")
+    assert v1.set(task_id=done, status=3)["code"] == 3  # refused: not counted
+    after = counts()
+    assert {k: after[k] - before[k] for k in after} == {
+        "created": 3, "leased": 3, "reported 1": 1, "reported 3": 1, "reported 4": 1, "succeeded": 1, "failed": 1,
+    }
+    assert 'asyncflow_v1_tasks_leased_total{task_type="video"}' in v1.http.get("/metrics").text
 
 
 def test_list_and_counts(v1: V1) -> None:
