@@ -168,10 +168,11 @@ async def _parse(request: Request, model: type[_Body]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        raise V1Error("INPUT_INVALID", problems) from None
+        raise V1Error("INPUT_INVALID", _problems(exc)) from None
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
 
 
 def _answer(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -188,8 +189,7 @@ def _answer(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     except Forbidden as exc:
         return fail("FORBIDDEN", str(exc))
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        return fail("INPUT_INVALID", problems)
+        return fail("INPUT_INVALID", _problems(exc))
     except StorageUnavailable:
         return fail("DB_UNAVAILABLE", "the task database is unavailable; try again shortly")
     except Exception:

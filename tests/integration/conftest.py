@@ -14,13 +14,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import psycopg
 import pytest
 from sqlalchemy import create_engine, delete
 
 from shared.migrate import upgrade
-from shared.storage.schema import attempts, tasks
+from shared.storage.schema import attempts, pull_tasks, task_types, tasks
 from tests.conftest import require_service
 
 PG_HOST = "127.0.0.1:5432"
@@ -67,14 +68,25 @@ def postgres_schema(migrate: bool = True) -> Iterator[tuple[str, str]]:
 
 
 def empty_tables(url: str) -> None:
-    """Delete every task and attempt (tests share one migrated schema per run)."""
+    """Delete every task, attempt, v1 task and task type (tests share one migrated schema per run)."""
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(delete(attempts))
-            conn.execute(delete(tasks))
+            for table in (attempts, tasks, pull_tasks, task_types):
+                conn.execute(delete(table))
     finally:
         engine.dispose()
+
+
+def migrated_url(request: pytest.FixtureRequest, backend: str, sqlite_file: Path) -> str:
+    """An empty, migrated database: a new SQLite file, or the run's PostgreSQL schema emptied."""
+    if backend == "sqlite":
+        url = f"sqlite:///{sqlite_file}"
+        upgrade(url)
+        return url
+    url = str(request.getfixturevalue("postgres_url"))
+    empty_tables(url)
+    return url
 
 
 @pytest.fixture(scope="session")

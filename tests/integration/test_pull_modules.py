@@ -14,19 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, delete
 
 from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import load_flows
-from shared.migrate import upgrade
 from shared.runtime import Runtime
 from shared.saga import Cancel
 from shared.states import TaskStatus
-from shared.storage.schema import pull_tasks
 from shared.storage.sql import SqlStore, open_store
 from shared.testing import ManualClock, QueuePublisher
-from tests.integration.conftest import empty_tables
+from tests.integration.conftest import migrated_url
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette's test client warns about its httpx import
@@ -42,17 +39,7 @@ GRACE = 15.0  # Settings.expire_grace's default
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'pull.sqlite'}"
-        upgrade(url)
-    else:
-        url = request.getfixturevalue("postgres_url")
-        empty_tables(url)
-        engine = create_engine(url)
-        with engine.begin() as conn:
-            conn.execute(delete(pull_tasks))
-        engine.dispose()
-    store = open_store(url)
+    store = open_store(migrated_url(request, request.param, tmp_path / "pull.sqlite"))
     try:
         yield store
     finally:

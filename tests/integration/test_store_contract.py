@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 
 from shared.flows import Action, Flow, StepDef
-from shared.migrate import upgrade
 from shared.saga import Submit, decide
 from shared.states import Phase, StepCode, StepState, StepType, TaskStatus
 from shared.storage import AttemptRecord, InMemoryStore, TaskConflict, TaskFilter, TaskStore
 from shared.storage.sql import PostgresStore, SqliteStore
 from shared.task import Active, Task, new_task
-from tests.integration.conftest import empty_tables
+from tests.integration.conftest import migrated_url
 
 NOW = 1_700_000_000.0
 
@@ -86,14 +85,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskStore]
     if backend == "memory":
         yield InMemoryStore()
         return
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'tasks.sqlite'}"
-        upgrade(url)
-        sql: TaskStore = SqliteStore(url)
-    else:
-        url = request.getfixturevalue("postgres_url")
-        empty_tables(url)
-        sql = PostgresStore(url)
+    url = migrated_url(request, backend, tmp_path / "tasks.sqlite")
+    sql: TaskStore = SqliteStore(url) if backend == "sqlite" else PostgresStore(url)
     try:
         yield sql
     finally:

@@ -11,15 +11,13 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import create_engine, delete
 
 from shared.config import Settings
 from shared.flows import load_flows
-from shared.migrate import upgrade
 from shared.runtime import Runtime
-from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import SqlStore, open_store
 from shared.testing import ManualClock, QueuePublisher
+from tests.integration.conftest import migrated_url
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette's test client warns about its httpx import
@@ -35,22 +33,9 @@ TASK_FIELDS = {
 }
 
 
-def _clear(url: str) -> None:
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        conn.execute(delete(pull_tasks))
-        conn.execute(delete(task_types))
-    engine.dispose()
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'v1.sqlite'}"
-        upgrade(url)
-    else:
-        url = request.getfixturevalue("postgres_url")
-        _clear(url)
+    url = migrated_url(request, request.param, tmp_path / "v1.sqlite")
     store = open_store(url)
     try:
         yield store

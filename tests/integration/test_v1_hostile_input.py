@@ -25,17 +25,17 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, currently_in_test_context, event, example, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import create_engine, delete, select
+from sqlalchemy import select
 
 from oss_api.v1 import CODES, TASK_ID
 from shared.config import Settings
 from shared.flows import load_flows
-from shared.migrate import upgrade
 from shared.pull import MAX_CONTENT_BYTES, NAME, PullStatus
 from shared.runtime import Runtime
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import SqlStore, open_store
 from shared.testing import ManualClock, QueuePublisher
+from tests.integration.conftest import empty_tables, migrated_url
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette's test client warns about its httpx import
@@ -152,21 +152,8 @@ def _parsed(content: bytes) -> Any:
         return None
 
 
-def _clear(url: str) -> None:
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        conn.execute(delete(pull_tasks))
-        conn.execute(delete(task_types))
-    engine.dispose()
-
-
 def _api(backend: str, request: pytest.FixtureRequest, tmp: Path) -> Iterator[Api]:
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp / 'v1.sqlite'}"
-        upgrade(url)
-    else:
-        url = request.getfixturevalue("postgres_url")
-        _clear(url)
+    url = migrated_url(request, backend, tmp / "v1.sqlite")
     store = open_store(url)
     settings_ = Settings(home=tmp)
     runtime = Runtime(settings_, flows=load_flows(SUPPORT / "flows.yaml"), store=store, publisher=QueuePublisher())
@@ -184,7 +171,7 @@ def _api(backend: str, request: pytest.FixtureRequest, tmp: Path) -> Iterator[Ap
         client.close()
         store.close()
         if backend == "postgres":
-            _clear(url)
+            empty_tables(url)
 
 
 # A failing example can hold megabytes of text: its repr is slow, not wrong.
