@@ -10,9 +10,10 @@ from typing import NoReturn
 
 import click
 
-from asyncflow.client import STOPPED, ApiClient, follow, parse_param, render
+from asyncflow.client import ApiClient, follow, parse_param, render
 from shared.config import Settings, load_settings
 from shared.flows import FlowsError, load_flows
+from shared.states import STOPPED
 
 
 def _settings() -> Settings:

@@ -11,11 +11,12 @@ from typing import Any
 import click
 import httpx
 
+from shared.states import STOPPED
+
 STATUS_NAMES = {
     0: "success", 1: "pending", 2: "running", 3: "rolling back",
     4: "failed (compensated)", 5: "ROLLBACK FAILED (operator needed)", 6: "cancelled",
 }
-STOPPED = {0, 4, 5, 6}
 
 
 class ApiClient:

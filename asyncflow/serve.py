@@ -15,7 +15,6 @@ from shared.logs import setup_logging
 from shared.messaging import bound_shutdown, queue_name
 from shared.migrate import upgrade
 from shared.runtime import Runtime
-from shared.storage import StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics
     consumer = runtime.consumer(modules)
     for module in consumer.modules.values():
         module.start(settings)  # fail now, not on the first message
-    bound_shutdown(runtime.celery, settings.shutdown_grace)
+    bound_shutdown(runtime.celery, consumer, settings.shutdown_grace)
     queues = ",".join(queue_name(m) for m in modules)
     log.info("consuming %s with %d processes", queues, concurrency)
     runtime.celery.worker_main(
@@ -71,26 +70,9 @@ def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics
 
 
 def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> None:
-    """Timers and governance: publishes waiting messages when due (retry backoff,
-    poll later), re-publishes queued messages nobody started, and fails attempts
-    that passed their deadline."""
+    """Timers and governance sweeps (shared.scheduler) until SIGTERM or SIGINT."""
     setup_logging(settings.log_level, "scheduler")
-    stop = stop or _stop_on_signals()
-    runtime = Runtime(settings)
-    service, pull = runtime.service, runtime.pull_service
-    log.info("scheduler started, tick %.3fs", settings.scheduler_tick)
-    while not stop.is_set():
-        try:
-            released = service.sweep() + pull.expire()
-        except StorageUnavailable as exc:
-            log.warning("sweep skipped, database unavailable: %s", exc)
-            released = 0
-        except Exception:
-            # A bug in one task must not stop the timers of all the others.
-            log.exception("sweep failed")
-            released = 0
-        if not released:
-            stop.wait(settings.scheduler_tick)
+    Runtime(settings).scheduler.run(stop or _stop_on_signals())
 
 
 def _stop_on_signals() -> threading.Event:

@@ -34,7 +34,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_flows import Backend, SetupError, Stack, log, machine_info, pct, setup_postgres  # noqa: E402
+from figures import pct  # noqa: E402
+from stack import Backend, SetupError, Stack, log, machine_info, setup_postgres  # noqa: E402
 
 SEED = {"create_task": 3000, "hold_tasks": 2000}
 
@@ -114,10 +115,10 @@ def prefill(database_url: str, task_type: str, count: int) -> None:
     """Bulk-insert pending tasks straight into the table (the thing measured is hold_tasks)."""
     from sqlalchemy import insert
 
-    from shared.pull import TaskType, new_pull_task
+    from shared.pull.rules import TaskType, new_pull_task
     from shared.storage import open_store
-    from shared.storage.pull import _row
     from shared.storage.schema import pull_tasks
+    from shared.storage.sql_pull import _row
 
     store = open_store(database_url)
     config = TaskType(task_type=task_type)

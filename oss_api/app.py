@@ -19,8 +19,8 @@ from oss_api.limits import BodyLimit
 from oss_api.schemas import SubmitRequest, TaskDocument, TaskList, UserId
 from oss_api.v1 import v1_routes
 from shared.config import load_settings
-from shared.flows import NAME
 from shared.logs import setup_logging
+from shared.names import NAME
 from shared.runtime import Runtime
 from shared.saga import Cancel, Resume, Retry
 from shared.service import TaskService
@@ -74,7 +74,7 @@ def _registry() -> CollectorRegistry:
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         return REGISTRY
     registry = CollectorRegistry()
-    MultiProcessCollector(registry)
+    MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # untyped in prometheus_client
     return registry
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,8 +32,13 @@ class MalformedBody(ServiceError):
 _UNPARSABLE = "There was an error parsing the body"
 
 
-def _body(status: int, error: str, detail: list | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    content: dict = {"error": error}
+def _body(
+    status: int,
+    error: str,
+    detail: list[dict[str, str]] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    content: dict[str, object] = {"error": error}
     if detail is not None:
         content["detail"] = detail
     return JSONResponse(status_code=status, content=content, headers=headers)

@@ -194,8 +194,3 @@ class TaskDocument(BaseModel):
 
 class TaskList(BaseModel):
     tasks: list[TaskDocument]
-
-
-class ErrorBody(BaseModel):
-    error: str
-    detail: list[dict[str, Any]] | None = None

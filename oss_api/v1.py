@@ -17,18 +17,18 @@ from starlette.concurrency import run_in_threadpool
 
 from oss_api.auth import Caller, Forbidden, request_caller
 from oss_api.limits import json_problem
-from shared.pull import (
+from shared.names import NAME
+from shared.pull.rules import (
     MAX_CONTENT_BYTES,
     MAX_LOG_BYTES,
     MAX_TASK_ID,
-    NAME,
     InvalidReport,
     PullStatus,
     PullTask,
     Report,
 )
-from shared.pull_service import PullService, ReservedTaskType, UnknownTaskType
-from shared.pull_steps import InvalidStepReport
+from shared.pull.service import PullService, ReservedTaskType, UnknownTaskType
+from shared.pull.steps import InvalidStepReport
 from shared.runtime import Runtime
 from shared.service import TaskNotFound
 from shared.storage import StorageUnavailable, TaskConflict
@@ -314,7 +314,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
             if problem:
                 raise V1Error("INPUT_INVALID", problem)
             user = None if who.admin else who.user
-            tasks = service().store.list(task_type, wanted, stage, count, user_id=user)
+            tasks = service().list(task_type, wanted, stage, count, user_id=user)
             return ok(task_list=[task_json(t) for t in tasks])
 
         return _answer(call)
@@ -324,9 +324,8 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         who = request_caller(request)
         def call() -> dict[str, Any]:
             admin(who)
-            service().task_type(_type_name(task_type))
-            counts = service().store.count(task_type)
-            by_status = {str(s): counts.get(int(s), 0) for s in PullStatus}
+            counts = service().count(_type_name(task_type))
+            by_status = {str(status): n for status, n in counts.items()}
             return ok(task_count=sum(counts.values()), task_count_by_status=by_status)
 
         return _answer(call)

@@ -1,7 +1,9 @@
 """Runs one step message: fence it, call the module's handler, report the outcome.
 
 Broker-agnostic: the Celery task in :mod:`shared.messaging` and the in-process
-drain used by tests both call :meth:`StepConsumer.handle`.
+drain of :mod:`shared.testing` both call :meth:`StepConsumer.handle`. A broker
+that interrupts handlers at their time limit passes ``invoke``, which turns its
+own interruption into :class:`AttemptTimedOut`.
 """
 
 from __future__ import annotations
@@ -9,8 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-
-from celery.exceptions import SoftTimeLimitExceeded
+from typing import Any
 
 from shared import metrics
 from shared.config import Settings
@@ -18,10 +19,20 @@ from shared.module import Handler, Module, ModuleError, PermanentError, PollLate
 from shared.saga import Event, Failed, Started, Succeeded
 from shared.saga import PollLater as PollLaterEvent
 from shared.service import TaskNotFound, TaskService
-from shared.storage import StorageUnavailable
+from shared.storage import StorageUnavailable, patiently
 from shared.task import Alarm, StepMessage, Task
 
 log = logging.getLogger(__name__)
+
+Outcome = Mapping[str, Any] | PollLater | None
+
+
+class AttemptTimedOut(Exception):
+    """The attempt's time limit interrupted its handler."""
+
+
+def call(handler: Handler, ctx: StepContext) -> Outcome:
+    return handler(ctx)
 
 
 class StepConsumer:
@@ -31,11 +42,15 @@ class StepConsumer:
         modules: Mapping[str, Module],
         settings: Settings,
         clock: Callable[[], float] = time.monotonic,
+        invoke: Callable[[Handler, StepContext], Outcome] = call,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.service = service
         self.modules = dict(modules)
         self.settings = settings
         self.clock = clock
+        self.invoke = invoke
+        self.sleep = sleep
 
     def handle(self, message: StepMessage) -> None:
         log_extra = {"task_id": message.task_id, "step": message.cursor, "seq": message.seq}
@@ -68,9 +83,10 @@ class StepConsumer:
             # elsewhere would not help, compensate.
             self.service.apply(message.task_id, Failed(message.seq, str(exc), permanent=True))
             return
+        event: Event
         try:
-            outcome = handler(ctx)
-        except SoftTimeLimitExceeded:
+            outcome = self.invoke(handler, ctx)
+        except AttemptTimedOut:
             event = Failed(message.seq, f"timed out after {message.timeout:g}s", timed_out=True)
         except PermanentError as exc:
             event = Failed(message.seq, str(exc) or type(exc).__name__, permanent=True)
@@ -98,27 +114,24 @@ class StepConsumer:
         self._store_outcome(message, event, task)
 
     def _store_outcome(self, message: StepMessage, event: Event, known: Task) -> None:
-        """Record what the handler did; wait out a database outage, within bounds.
+        """Record what the handler did, waiting out a database outage within bounds.
 
         Giving up is safe: the attempt then expires at its deadline and runs again
         (handlers are idempotent), but waiting keeps the work that was done.
         """
-        deadline = self.clock() + self.settings.outcome_patience
-        pause = 0.5
-        while True:
-            try:
-                self.service.apply(message.task_id, event, known=known)
-                return
-            except StorageUnavailable as exc:
-                if self.clock() + pause > deadline:
-                    log.error(
-                        "outcome not stored, database still unavailable; the attempt will expire "
-                        "and run again: %s", exc, extra={"task_id": message.task_id, "seq": message.seq},
-                    )
-                    return
-                log.warning("database unavailable, storing the outcome again in %.1fs", pause)
-                time.sleep(pause)
-                pause = min(pause * 2, 8.0)
+        try:
+            patiently(
+                lambda: self.service.apply(message.task_id, event, known=known),
+                self.settings.outcome_patience,
+                self.clock,
+                self.sleep,
+            )
+        except StorageUnavailable as exc:
+            log.error(
+                "outcome not stored, database still unavailable; the attempt will expire and run again: %s",
+                exc,
+                extra={"task_id": message.task_id, "seq": message.seq},
+            )
 
     def _handler(self, message: StepMessage) -> Handler:
         module = self.modules.get(message.module)

@@ -24,8 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shared.module import Module, ModuleError, import_module_object
-
-NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+from shared.names import NAME
 
 
 class FlowsError(Exception):
@@ -45,16 +44,18 @@ class Action(BaseModel):
     command: str = Field(pattern=NAME)
     timeout: float = Field(default=300, gt=0, le=7 * 24 * 3600)
     retry: int = Field(default=0, ge=0, le=100)
-    # Seed 000 §三.1: a negative max_retry_interval means uniform retries every
-    # retry_interval seconds; a positive one means min(2**n, max_retry_interval).
-    retry_interval: float = Field(default=1.0, gt=0, le=24 * 3600)
-    max_retry_interval: float = Field(default=-1, le=24 * 3600)
+    # The seed's retry rule (shared.retry): -1 is a uniform retry every second.
+    max_retry_interval: float = Field(default=-1, ge=-24 * 3600, le=24 * 3600)
 
-    def backoff(self, failed_attempts: int) -> float:
-        """Seconds to wait before the next attempt after ``failed_attempts`` failures."""
-        if self.max_retry_interval < 0:
-            return self.retry_interval
-        return float(min(2 ** (failed_attempts - 1), self.max_retry_interval))
+    @model_validator(mode="before")
+    @classmethod
+    def _no_retry_interval(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "retry_interval" in data:
+            raise ValueError(
+                "retry_interval is no longer a field: uniform retries every S seconds are "
+                "max_retry_interval: -S (see shared/retry.py)"
+            )
+        return data
 
 
 class StepDef(BaseModel):

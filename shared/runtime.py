@@ -7,17 +7,20 @@ import time
 from collections.abc import Callable
 from functools import cached_property
 
+from celery import Celery
+
 from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import FlowsError, FlowSet, load_flows
-from shared.messaging import AsyncflowCelery, CeleryPublisher, make_celery
+from shared.messaging import CeleryPublisher, call_with_time_limit, make_celery, serve_steps
 from shared.module import Module
-from shared.pull_service import PullService
-from shared.pull_steps import RoutingPublisher, StepLeases, StepQueue
+from shared.pull.service import PullService
+from shared.pull.steps import RoutingPublisher, StepLeases, StepQueue
 from shared.saga import Timing
+from shared.scheduler import Scheduler
 from shared.service import Publisher, TaskService
-from shared.storage import SqlStore, TaskStore, open_store
-from shared.storage.pull import PullStore
+from shared.storage import InMemoryPullStore, InMemoryStore, PullStore, SqlStore, TaskStore, open_store
+from shared.storage.sql_pull import SqlPullStore
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +33,15 @@ class Runtime:
         store: TaskStore | None = None,
         publisher: Publisher | None = None,
         clock: Callable[[], float] = time.time,
+        pull_store: PullStore | None = None,
     ) -> None:
-        """``flows``, ``store``, ``publisher`` and ``clock`` replace the configured ones (tests, embedding)."""
+        """``flows``, the stores, ``publisher`` and ``clock`` replace the configured ones (tests, embedding)."""
         self.settings = settings
         self.clock = clock
         self._flows = flows
         self._store = store
         self._publisher = publisher
+        self._pull_store = pull_store
 
     @cached_property
     def flows(self) -> FlowSet:
@@ -47,15 +52,19 @@ class Runtime:
         return self._store or open_store(self.settings.resolved_database_url())
 
     @cached_property
-    def celery(self) -> AsyncflowCelery:
+    def celery(self) -> Celery:
         return make_celery(self.settings)
 
     @cached_property
     def pull_store(self) -> PullStore:
-        """v1 pull-mode tasks live in the same SQL database as the saga's."""
-        if not isinstance(self.store, SqlStore):
-            raise RuntimeError("v1 pull-mode tasks and pull-mode modules need a SQL store")
-        return PullStore(self.store)
+        """v1 pull-mode tasks live in the same database as the saga's."""
+        if self._pull_store is not None:
+            return self._pull_store
+        if isinstance(self.store, SqlStore):
+            return SqlPullStore(self.store)
+        if isinstance(self.store, InMemoryStore):
+            return InMemoryPullStore()
+        raise RuntimeError(f"no v1 task storage goes with {type(self.store).__name__}; pass pull_store")
 
     @cached_property
     def service(self) -> TaskService:
@@ -87,9 +96,15 @@ class Runtime:
             )
         return self.flows.check_commands(only=names)
 
+    @cached_property
+    def scheduler(self) -> Scheduler:
+        return Scheduler(self.service, self.pull_service, self.settings.scheduler_tick, self.clock)
+
     def consumer(self, names: list[str]) -> StepConsumer:
-        consumer = StepConsumer(self.service, self.load_modules(names), self.settings)
-        self.celery.consumer = consumer
+        """The step consumer of a worker serving ``names``, with its Celery tasks registered."""
+        modules = self.load_modules(names)
+        consumer = StepConsumer(self.service, modules, self.settings, invoke=call_with_time_limit)
+        serve_steps(self.celery, consumer)
         return consumer
 
     def close(self) -> None:

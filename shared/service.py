@@ -1,11 +1,13 @@
 """The task service: load, decide, compare-and-set, then publish.
 
 Every caller that changes a task (API, consumers, scheduler, CLI) goes through
-:meth:`TaskService.apply`; the decision itself is :func:`shared.saga.decide`.
+:meth:`TaskService.apply`; the decision itself is :func:`shared.saga.decide`, the
+write a compare-and-set (:func:`shared.transition.compare_and_set`).
 """
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
 import uuid
@@ -15,17 +17,14 @@ from typing import Any, Protocol
 
 from shared import metrics
 from shared.flows import FlowSet
-from shared.saga import (  # noqa: F401 - InvalidAction is part of this API
+from shared.saga import (
     DEFAULT_TIMING,
     Decision,
-    Due,
     Event,
     Expire,
     Failed,
-    InvalidAction,
     PollLater,
     PublishFailed,
-    Requeue,
     Started,
     Submit,
     Succeeded,
@@ -35,12 +34,9 @@ from shared.saga import (  # noqa: F401 - InvalidAction is part of this API
 from shared.states import Phase, StepType
 from shared.storage import AttemptRecord, TaskFilter, TaskStore
 from shared.task import Alarm, StepMessage, Task, new_task
+from shared.transition import compare_and_set
 
 log = logging.getLogger(__name__)
-
-# A task changed by two writers at once is re-read and decided again; more
-# rounds than this means something is spinning.
-MAX_CAS_ROUNDS = 20
 
 
 class ServiceError(Exception):
@@ -114,23 +110,25 @@ class TaskService:
         and the outcome of an attempt): it saves a read, and if it is out of date
         the compare-and-set fails and the task is read again.
         """
-        for _ in range(MAX_CAS_ROUNDS):
-            from_copy = known is not None
-            task = known if known is not None else self.store.get(task_id)
-            known = None
-            if task is None:
-                raise TaskNotFound(f"no task {task_id!r}")
-            now = self.clock()
-            decision = decide(task, event, now, self.timing)
+        now = self.clock()
+
+        def write(task: Task, decision: Decision) -> bool | None:
             if decision.ignored or decision.task is task:
-                if from_copy:
-                    continue  # judge a no-op against the stored task, not a copy
-                return decision
-            if self.store.save(decision.task, now, _attempt_record(task, event, now)):
-                self._after(task, decision)
-                # What is stored now, version included, for the caller's next ``known``.
-                return replace(decision, task=replace(decision.task, version=task.version + 1))
-        raise RuntimeError(f"task {task_id}: gave up after {MAX_CAS_ROUNDS} concurrent updates")
+                return None
+            return self.store.save(decision.task, now, _attempt_record(task, event, now))
+
+        before, decision = compare_and_set(
+            f"task {task_id}",
+            lambda: self.get(task_id),
+            lambda task: decide(task, event, now, self.timing),
+            write,
+            known=known,
+            effects=self._after,
+        )
+        if decision.ignored or decision.task is before:
+            return decision
+        # What is stored now, version included, for the caller's next ``known``.
+        return replace(decision, task=replace(decision.task, version=before.version + 1))
 
     def _after(self, before: Task, decision: Decision) -> None:
         task = decision.task
@@ -180,33 +178,8 @@ class TaskService:
     # --- operator actions ---------------------------------------------------------
 
     def operate(self, task_id: str, event: Event) -> Task:
-        """Cancel, Retry or Resume; raises InvalidAction when the state forbids it."""
+        """Cancel, Retry or Resume; raises :class:`shared.saga.InvalidAction` when the state forbids it."""
         return self.apply(task_id, event).task
-
-    def sweep(self, limit: int = 500) -> int:
-        """Act on every outstanding message that is due; returns how many changed.
-
-        Waiting messages are published, queued ones that nobody started are
-        published again, running ones past their deadline count as failed. Safe
-        in several schedulers at once: each change is a compare-and-set.
-        """
-        changed = 0
-        can_publish = self.publisher.healthy()
-        for task_id, seq, phase in self.store.due(self.clock(), limit):
-            if phase is not Phase.RUNNING and not can_publish:
-                continue  # leave it due; publishing now would only fail again
-            event = _SWEEP_EVENTS[phase](seq)
-            try:
-                decision = self.apply(task_id, event)
-            except TaskNotFound:
-                continue
-            if not decision.ignored:
-                changed += 1
-                if isinstance(event, Requeue | Expire):
-                    log.warning(
-                        "sweep: %s", type(event).__name__.lower(), extra={"task_id": task_id, "seq": seq}
-                    )
-        return changed
 
     # --- reads ------------------------------------------------------------------
 
@@ -216,14 +189,15 @@ class TaskService:
             raise TaskNotFound(f"no task {task_id!r}")
         return task
 
+    def due(self, now: float, limit: int) -> list[tuple[str, int, Phase]]:
+        """(task_id, seq, phase) of outstanding messages due by ``now``: the scheduler's work."""
+        return self.store.due(now, limit)
+
     def list(self, where: TaskFilter) -> list[Task]:
         return self.store.list(where)
 
-    def attempts(self, task_id: str) -> list[AttemptRecord]:
+    def attempts(self, task_id: str) -> builtins.list[AttemptRecord]:
         return self.store.attempts(task_id)
-
-
-_SWEEP_EVENTS = {Phase.WAITING: Due, Phase.QUEUED: Requeue, Phase.RUNNING: Expire}
 
 
 def _attempt_record(task: Task, event: Event, now: float) -> AttemptRecord | None:
@@ -232,7 +206,7 @@ def _attempt_record(task: Task, event: Event, now: float) -> AttemptRecord | Non
     if active is None or not isinstance(event, Started | Succeeded | Failed | PollLater | Expire):
         return None
     action = task.steps[active.cursor].action(active.type)
-    base = dict(
+    base = AttemptRecord(
         task_id=task.task_id,
         seq=active.seq,
         cursor=active.cursor,
@@ -242,13 +216,13 @@ def _attempt_record(task: Task, event: Event, now: float) -> AttemptRecord | Non
         command=action.command,
     )
     if isinstance(event, Started):
-        return AttemptRecord(**base, started_at=now)
+        return replace(base, started_at=now)
     if isinstance(event, Succeeded):
-        return AttemptRecord(**base, ended_at=now, outcome="succeeded")
+        return replace(base, ended_at=now, outcome="succeeded")
     if isinstance(event, PollLater):
-        return AttemptRecord(**base, ended_at=now, outcome="poll_later")
+        return replace(base, ended_at=now, outcome="poll_later")
     if isinstance(event, Expire):
-        return AttemptRecord(**base, ended_at=now, outcome="expired", error="no outcome by the deadline")
+        return replace(base, ended_at=now, outcome="expired", error="no outcome by the deadline")
     outcome = "timed_out" if event.timed_out else "failed"
-    return AttemptRecord(**base, ended_at=now, outcome=outcome, error=event.error)
+    return replace(base, ended_at=now, outcome=outcome, error=event.error)
 

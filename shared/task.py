@@ -10,13 +10,38 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.flows import Action, Flow
+from shared.retry import retry_delay
 from shared.states import Phase, StepState, StepType, TaskStatus
 
 
 @dataclass(frozen=True)
+class Command:
+    """A step command's settings as the task took them from flows.yaml at submit.
+
+    A plain snapshot, not the config model: a task keeps running with the settings
+    it started with, and rows stored by earlier releases load whatever the config
+    model has become since (see :mod:`shared.storage.codec`).
+    """
+
+    module: str
+    command: str
+    timeout: float
+    retry: int  # extra attempts after the first
+    max_retry_interval: float  # the retry rule of shared.retry
+
+    @classmethod
+    def of(cls, action: Action) -> Command:
+        return cls(action.module, action.command, action.timeout, action.retry, action.max_retry_interval)
+
+    def backoff(self, failed_attempts: int) -> float:
+        """Seconds to wait before the next attempt after ``failed_attempts`` failures."""
+        return retry_delay(failed_attempts - 1, self.max_retry_interval)
+
+
+@dataclass(frozen=True)
 class Step:
-    normal: Action
-    rollback: Action | None
+    normal: Command
+    rollback: Command | None
     state: StepState = StepState.PENDING
     rollback_state: StepState = StepState.PENDING
     code: int = 0
@@ -28,7 +53,7 @@ class Step:
     attempts: int = 0
     rollback_attempts: int = 0
 
-    def action(self, step_type: StepType) -> Action:
+    def action(self, step_type: StepType) -> Command:
         if step_type is StepType.NORMAL:
             return self.normal
         assert self.rollback is not None, "rollback dispatched for a step without one"
@@ -160,7 +185,10 @@ def new_task(
         status=TaskStatus.PENDING,
         cursor=0,
         parameters=dict(parameters),
-        steps=tuple(Step(normal=s.normal, rollback=s.rollback) for s in flow.steps),
+        steps=tuple(
+            Step(normal=Command.of(s.normal), rollback=Command.of(s.rollback) if s.rollback else None)
+            for s in flow.steps
+        ),
         created_at=now,
         priority=priority,
         user_id=user_id,

@@ -12,19 +12,21 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from billiard.exceptions import WorkerLostError
 from celery import Celery, Task
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.worker.request import Request
 
 from shared.config import Settings
+from shared.consumer import AttemptTimedOut, StepConsumer
 from shared.messaging.embedded import kombu_url
+from shared.module import Handler, PollLater, StepContext
+from shared.retry import reconnect_delay
 from shared.storage import StorageUnavailable
 from shared.task import Alarm, StepMessage
-
-if TYPE_CHECKING:
-    from shared.consumer import StepConsumer
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +39,18 @@ def queue_name(module: str) -> str:
     return QUEUE_PREFIX + module
 
 
-class AsyncflowCelery(Celery):
-    """A Celery app that knows which consumer runs its messages in this process."""
-
-    consumer: StepConsumer | None = None
-
-    def step_consumer(self) -> StepConsumer:
-        if self.consumer is None:
-            raise RuntimeError("this process has no step consumer (not started by `asyncflow worker`)")
-        return self.consumer
+def call_with_time_limit(handler: Handler, ctx: StepContext) -> Mapping[str, Any] | PollLater | None:
+    """Run a handler under Celery's soft time limit, which interrupts it with its own exception."""
+    try:
+        return handler(ctx)
+    except SoftTimeLimitExceeded as exc:
+        raise AttemptTimedOut(str(exc)) from exc
 
 
-class StepRequest(Request):
+class StepRequest(Request):  # type: ignore[misc]  # celery is untyped: Request is Any
     """Reports attempts that never returned: killed by the hard time limit or lost."""
+
+    consumer: StepConsumer  # set by serve_steps on the subclass it registers
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         super().on_timeout(soft, timeout)
@@ -65,15 +66,15 @@ class StepRequest(Request):
 
     def _report_lost(self, reason: str, timed_out: bool = False) -> None:
         try:
-            message = StepMessage.from_payload(self.args[0])
-            self.task.app.step_consumer().lost(message, reason, timed_out=timed_out)
+            self.consumer.lost(StepMessage.from_payload(self.args[0]), reason, timed_out=timed_out)
         except Exception:  # the sweep (not this hook) is the safety net
             log.exception("could not record a lost step attempt")
 
 
-def make_celery(settings: Settings) -> AsyncflowCelery:
+def make_celery(settings: Settings) -> Celery:
+    """The app that publishes; a worker adds its tasks with :func:`serve_steps`."""
     url = settings.resolved_broker_url()
-    app = AsyncflowCelery("asyncflow", broker=kombu_url(url), set_as_current=False)
+    app = Celery("asyncflow", broker=kombu_url(url), set_as_current=False)
     conf: dict[str, Any] = dict(
         task_serializer="json",
         accept_content=["json"],
@@ -108,35 +109,34 @@ def make_celery(settings: Settings) -> AsyncflowCelery:
         # Publisher confirms: a publish returns only once RabbitMQ has the message.
         conf["broker_transport_options"] = {"confirm_publish": True}
     app.conf.update(conf)
-    _register_tasks(app, settings)
     return app
 
 
-def _register_tasks(app: AsyncflowCelery, settings: Settings) -> None:
-    @app.task(name=STEP_TASK, bind=True, Request=StepRequest)
+def serve_steps(app: Celery, consumer: StepConsumer) -> None:
+    """Register the step and alarm tasks of a worker process, run by ``consumer``."""
+    request = type("BoundStepRequest", (StepRequest,), {"consumer": consumer})
+    alert_command = consumer.settings.alert_command
+
+    @app.task(name=STEP_TASK, bind=True, Request=request, shared=False)  # type: ignore[untyped-decorator]
     def run_step(self: Task, payload: dict[str, Any]) -> None:
         try:
-            self.app.step_consumer().handle(StepMessage.from_payload(payload))
+            consumer.handle(StepMessage.from_payload(payload))
         except StorageUnavailable as exc:
             # Nothing ran yet (the start could not be recorded). Keep the message:
             # a delayed copy goes back on the queue before this one is acknowledged.
-            countdown = min(2 ** self.request.retries, 30)
-            log.warning("database unavailable, step message retried in %ss: %s", countdown, exc)
+            countdown = reconnect_delay(self.request.retries)
+            log.warning("database unavailable, step message retried in %gs: %s", countdown, exc)
             raise self.retry(exc=exc, countdown=countdown, max_retries=None) from exc
 
-    @app.task(
-        name=ALARM_TASK,
-        bind=True,
-        autoretry_for=(Exception,),
-        max_retries=5,
-        retry_backoff=True,
-    )
+    @app.task(name=ALARM_TASK, bind=True, max_retries=5, shared=False)  # type: ignore[untyped-decorator]
     def deliver_alarm(self: Task, payload: dict[str, Any]) -> None:
-        alarm = Alarm(**payload)
-        self.app.step_consumer().alarm(alarm, settings.alert_command)
+        try:
+            consumer.alarm(Alarm(**payload), alert_command)
+        except Exception as exc:
+            raise self.retry(exc=exc, countdown=reconnect_delay(self.request.retries)) from exc
 
 
-def bound_shutdown(app: AsyncflowCelery, grace: float) -> None:
+def bound_shutdown(app: Celery, consumer: StepConsumer, grace: float) -> None:
     """On SIGTERM, let in-flight attempts finish for ``grace`` seconds, then give up on them.
 
     Celery's warm shutdown waits for every running task, which for a step with
@@ -154,7 +154,7 @@ def bound_shutdown(app: AsyncflowCelery, grace: float) -> None:
                 message = StepMessage.from_payload(request.args[0])
             except (IndexError, KeyError, TypeError, ValueError):
                 continue  # an alarm delivery: it is retried by the broker
-            app.step_consumer().lost(message, f"worker stopped; attempt unfinished after {grace:g}s")
+            consumer.lost(message, f"worker stopped; attempt unfinished after {grace:g}s")
         log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(running))
         os.kill(os.getpid(), signal.SIGQUIT)
 
@@ -177,7 +177,7 @@ class CeleryPublisher:
     # message and the scheduler publishes it once the broker answers again.
     PAUSE_AFTER_FAILURE = 2.0
 
-    def __init__(self, app: AsyncflowCelery, settings: Settings) -> None:
+    def __init__(self, app: Celery, settings: Settings) -> None:
         self.app = app
         self.grace = settings.hard_timeout_grace
         self.alert_command = settings.alert_command

@@ -1,19 +1,27 @@
-"""Task storage: one interface, a SQL implementation per dialect, an in-memory fake."""
+"""Task storage: interfaces, a SQL implementation per dialect, in-memory fakes.
+
+The only place that runs SQL. :class:`TaskStore` holds saga tasks and their
+attempts; :class:`PullStore` holds v1 pull-mode tasks and task types.
+"""
 
 from shared.storage.base import (
     AttemptRecord,
+    PullStore,
     StorageError,
     StorageUnavailable,
     TaskConflict,
     TaskFilter,
     TaskStore,
+    patiently,
 )
-from shared.storage.memory import InMemoryStore
+from shared.storage.memory import InMemoryPullStore, InMemoryStore
 from shared.storage.sql import SqlStore, open_store
 
 __all__ = [
     "AttemptRecord",
+    "InMemoryPullStore",
     "InMemoryStore",
+    "PullStore",
     "SqlStore",
     "StorageError",
     "StorageUnavailable",
@@ -21,4 +29,5 @@ __all__ = [
     "TaskFilter",
     "TaskStore",
     "open_store",
+    "patiently",
 ]

@@ -1,22 +1,37 @@
-"""Task <-> row mapping. The steps list is stored as JSON inside the task row."""
+"""Task <-> row mapping. The steps list is stored as JSON inside the task row.
+
+Rows outlive releases: decoding reads the keys it knows, ignores the others and
+fills the ones an older release did not write, so a change to the flow config
+never makes stored tasks unreadable.
+"""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
-from shared.flows import Action
 from shared.states import Phase, StepState, StepType, TaskStatus
-from shared.task import Active, Step, Task
+from shared.task import Active, Command, Step, Task
 
 
-def _action(data: dict[str, Any] | None) -> Action | None:
-    return Action.model_validate(data) if data is not None else None
+def command_from_json(data: dict[str, Any]) -> Command:
+    max_retry_interval = float(data.get("max_retry_interval", -1))
+    if max_retry_interval < 0 and "retry_interval" in data:
+        # Before the retry rule had one encoding, uniform retries waited retry_interval seconds.
+        max_retry_interval = -float(data["retry_interval"])
+    return Command(
+        module=str(data["module"]),
+        command=str(data["command"]),
+        timeout=float(data.get("timeout", 300)),
+        retry=int(data.get("retry", 0)),
+        max_retry_interval=max_retry_interval,
+    )
 
 
 def step_to_json(step: Step) -> dict[str, Any]:
     return {
-        "normal": step.normal.model_dump(),
-        "rollback": step.rollback.model_dump() if step.rollback else None,
+        "normal": asdict(step.normal),
+        "rollback": asdict(step.rollback) if step.rollback else None,
         "state": int(step.state),
         "rollback_state": int(step.rollback_state),
         "code": int(step.code),
@@ -31,11 +46,10 @@ def step_to_json(step: Step) -> dict[str, Any]:
 
 
 def step_from_json(data: dict[str, Any]) -> Step:
-    normal = _action(data["normal"])
-    assert normal is not None
+    rollback = data.get("rollback")
     return Step(
-        normal=normal,
-        rollback=_action(data.get("rollback")),
+        normal=command_from_json(data["normal"]),
+        rollback=command_from_json(rollback) if rollback is not None else None,
         state=StepState(data["state"]),
         rollback_state=StepState(data["rollback_state"]),
         code=int(data["code"]),

@@ -17,7 +17,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from shared.pull import MAX_TASK_ID
+from shared.pull.rules import MAX_TASK_ID
 
 metadata = MetaData()
 

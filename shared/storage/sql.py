@@ -5,6 +5,7 @@ Dialects are small subclasses chosen from the URL by :func:`open_store`.
 
 from __future__ import annotations
 
+import builtins
 import os
 import weakref
 from collections.abc import Iterator
@@ -35,7 +36,13 @@ class SqlStore(TaskStore):
         self.engine = self._make_engine(url)
         # A forked child (Celery prefork) must not reuse the parent's connections.
         ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (s := ref()) and s.engine.dispose(close=False))
+
+        def dispose_in_child() -> None:
+            store = ref()
+            if store is not None:
+                store.engine.dispose(close=False)
+
+        os.register_at_fork(after_in_child=dispose_in_child)
 
     def _make_engine(self, url: str) -> Engine:
         return create_engine(url, pool_pre_ping=True)
@@ -117,14 +124,14 @@ class SqlStore(TaskStore):
         with self.transaction(read_only=True) as conn:
             return [task_from_row(r) for r in conn.execute(query)]
 
-    def attempts(self, task_id: str) -> list[AttemptRecord]:
+    def attempts(self, task_id: str) -> builtins.list[AttemptRecord]:
         query = select(attempts).where(attempts.c.task_id == task_id).order_by(attempts.c.seq)
         with self.transaction(read_only=True) as conn:
             return [
                 AttemptRecord(**{**r._mapping, "type": StepType(r.type)}) for r in conn.execute(query)
             ]
 
-    def due(self, now: float, limit: int) -> list[tuple[str, int, Phase]]:
+    def due(self, now: float, limit: int) -> builtins.list[tuple[str, int, Phase]]:
         # due_at is NULL unless a message is outstanding, so this range scan on
         # its index touches only the tasks that need the scheduler now.
         query = (

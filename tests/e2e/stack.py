@@ -8,36 +8,24 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from shared.states import STOPPED
+from shared.testing import wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = REPO / "tests" / "support"
-STOPPED = {0, 4, 5, 6}
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``condition`` until it returns something truthy; fail with ``what`` on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass

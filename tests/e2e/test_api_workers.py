@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.stack import SUPPORT, Stack, wait_for
+from shared.testing import wait_for
+from tests.e2e.stack import SUPPORT, Stack
 
 pytestmark = pytest.mark.e2e
 

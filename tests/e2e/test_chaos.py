@@ -24,8 +24,10 @@ import yaml
 
 from modules import _db, monitor, mysql, resource
 from shared.config import Settings
+from shared.states import STOPPED
+from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
-from tests.e2e.stack import REPO, Stack, wait_for
+from tests.e2e.stack import REPO, Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -48,7 +50,7 @@ def short_flows(home: Path) -> Path:
         for step in flow["steps"]:
             for action in (step["normal"], step.get("rollback")):
                 if action:
-                    action.update(timeout=5, retry=max(action.get("retry", 0), 3), retry_interval=0.2)
+                    action.update(timeout=5, retry=max(action.get("retry", 0), 3), max_retry_interval=-0.2)
                     action.pop("max_retry_interval", None)
     path = home / "flows.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -152,7 +154,7 @@ def test_chaos_soak_every_accepted_task_ends_and_the_ledger_balances(
 
     def all_stopped() -> list[dict] | None:
         docs = [chaos.get(task_id) for task_id in load.accepted]
-        return docs if all(d["task_status"] in (0, 4, 5, 6) for d in docs) else None
+        return docs if all(d["task_status"] in STOPPED for d in docs) else None
 
     docs = wait_for(all_stopped, 240, "every accepted task to reach a terminal state", interval=1)
     settled = time.monotonic()

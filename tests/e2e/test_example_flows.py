@@ -14,8 +14,9 @@ import pytest
 
 from modules import _db, monitor, mysql, resource
 from shared.config import Settings
+from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
-from tests.e2e.stack import REPO, Stack, unique, wait_for
+from tests.e2e.stack import REPO, Stack, unique
 
 pytestmark = pytest.mark.e2e
 

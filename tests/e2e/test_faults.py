@@ -18,8 +18,9 @@ import pytest
 
 from shared.config import Settings
 from shared.messaging import STEP_TASK, make_celery, queue_name
+from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
-from tests.e2e.stack import Stack, free_port, wait_for
+from tests.e2e.stack import Stack, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 

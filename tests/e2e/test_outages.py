@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
-from tests.e2e.stack import Stack, wait_for
+from tests.e2e.stack import Stack
 from tests.e2e.test_faults import BETA, TIMING, runs_of, started
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]

@@ -11,9 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shared.testing import wait_for
 from tests.conftest import require_service
 from tests.e2e.conftest import open_stack
-from tests.e2e.stack import REPO, SUPPORT, Stack, wait_for
+from tests.e2e.stack import REPO, SUPPORT, Stack
 
 pytestmark = pytest.mark.e2e
 

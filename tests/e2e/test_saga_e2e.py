@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from shared.config import Settings
-from tests.e2e.stack import Stack, wait_for
+from shared.testing import wait_for
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -21,8 +21,12 @@ import pytest
 from sqlalchemy import create_engine, delete
 
 from shared.migrate import upgrade
+from shared.storage import InMemoryPullStore, InMemoryStore, PullStore, SqlStore, TaskStore, open_store
 from shared.storage.schema import attempts, pull_tasks, task_types, tasks
+from shared.storage.sql_pull import SqlPullStore
 from tests.conftest import require_service
+
+SQL_BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 PG_HOST = "127.0.0.1:5432"
 PG_DATABASE = "test"
@@ -94,3 +98,37 @@ def postgres_url() -> Iterator[str]:
     """URL of a migrated PostgreSQL schema, created once per test run."""
     with postgres_schema(migrate=True) as (url, _schema):
         yield url
+
+
+@contextmanager
+def _sql_store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> Iterator[SqlStore]:
+    store = open_store(migrated_url(request, backend, tmp_path / "tasks.sqlite"))
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
+    """An empty, migrated SQL store on SQLite and on PostgreSQL."""
+    with _sql_store(request, request.param, tmp_path) as store:
+        yield store
+
+
+@pytest.fixture(params=["memory", *SQL_BACKENDS])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskStore]:
+    """The shipped in-memory fake and the SQL stores: contract tests run on each."""
+    if request.param == "memory":
+        yield InMemoryStore()
+        return
+    with _sql_store(request, request.param, tmp_path) as sql:
+        yield sql
+
+
+@pytest.fixture
+def pull_store(store: TaskStore) -> PullStore:
+    """The v1 task store that goes with ``store``: in memory, or in the same database."""
+    if isinstance(store, SqlStore):
+        return SqlPullStore(store)
+    return InMemoryPullStore()

@@ -8,58 +8,35 @@ push-mode steps around it run in-process, from the published messages.
 from __future__ import annotations
 
 import json
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from shared.config import Settings
-from shared.consumer import StepConsumer
-from shared.flows import load_flows
-from shared.runtime import Runtime
-from shared.saga import Cancel
-from shared.states import TaskStatus
-from shared.storage.sql import SqlStore, open_store
-from shared.testing import ManualClock, QueuePublisher
-from tests.integration.conftest import migrated_url
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # starlette's test client warns about its httpx import
-    from fastapi.testclient import TestClient
-
 from asyncflow.sdk import Done, Job, Worker
 from oss_api.app import create_app
+from oss_api.testing import TestClient
+from shared.consumer import StepConsumer
+from shared.flows import load_flows
+from shared.saga import Cancel
+from shared.states import TaskStatus
+from shared.storage.sql import SqlStore
+from shared.testing import InProcess
 from tests.support import testmod
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 GRACE = 15.0  # Settings.expire_grace's default
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
-    store = open_store(migrated_url(request, request.param, tmp_path / "pull.sqlite"))
-    try:
-        yield store
-    finally:
-        store.close()
-
-
 class Flow:
     """One API, the push-mode modules in-process, and the test as the pull-mode worker."""
 
     def __init__(self, store: SqlStore, home: Path) -> None:
-        self.clock = ManualClock()
-        self.publisher = QueuePublisher()
-        settings = Settings(home=home)
-        self.runtime = Runtime(
-            settings, flows=load_flows(SUPPORT / "pull_flows.yaml"), store=store,
-            publisher=self.publisher, clock=self.clock,
-        )
+        app = InProcess(load_flows(SUPPORT / "pull_flows.yaml"), home, store)
+        self.clock, self.publisher, self.runtime = app.clock, app.publisher, app.runtime
         self.service = self.runtime.service
         self.consumer = StepConsumer(
-            self.service, {"alpha": testmod.alpha, "beta": testmod.beta}, settings, clock=self.clock
+            self.service, {"alpha": testmod.alpha, "beta": testmod.beta}, self.runtime.settings, clock=self.clock
         )
         self.http = TestClient(create_app(self.runtime))
 
@@ -75,8 +52,7 @@ class Flow:
     def later(self, seconds: float) -> None:
         """Let time pass: the scheduler publishes what became due, push steps run."""
         self.clock.advance(seconds)
-        self.service.sweep()
-        self.runtime.pull_service.expire()
+        self.runtime.scheduler.tick()
         self.run_push()
 
     def post(self, path: str, body: Any) -> dict[str, Any]:

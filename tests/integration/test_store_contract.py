@@ -7,19 +7,15 @@ run; marked ``postgres``) and the shipped InMemoryStore fake must behave the sam
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from shared.flows import Action, Flow, StepDef
 from shared.saga import Submit, decide
 from shared.states import Phase, StepCode, StepState, StepType, TaskStatus
-from shared.storage import AttemptRecord, InMemoryStore, TaskConflict, TaskFilter, TaskStore
-from shared.storage.sql import PostgresStore, SqliteStore
+from shared.storage import AttemptRecord, TaskConflict, TaskFilter, TaskStore
 from shared.task import Active, Task, new_task
-from tests.integration.conftest import migrated_url
 
 NOW = 1_700_000_000.0
 
@@ -27,7 +23,7 @@ FLOW = Flow(
     name="provision",
     steps=(
         StepDef(
-            normal=Action(module="resource", command="check", timeout=30, retry=2, retry_interval=0.5),
+            normal=Action(module="resource", command="check", timeout=30, retry=2, max_retry_interval=-0.5),
             rollback=Action(module="monitor", command="report", timeout=60, retry=3, max_retry_interval=8),
         ),
         StepDef(normal=Action(module="mysql", command="init", timeout=1800)),  # no rollback
@@ -71,26 +67,6 @@ def waiting(task_id: str, due_at: float, created_at: float = NOW) -> Task:
         seq=3,
         active=Active(3, 0, StepType.NORMAL, 2, Phase.WAITING, due_at=due_at),
     )
-
-
-@pytest.fixture(
-    params=[
-        "memory",
-        "sqlite",
-        pytest.param("postgres", marks=pytest.mark.postgres),
-    ]
-)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskStore]:
-    backend = request.param
-    if backend == "memory":
-        yield InMemoryStore()
-        return
-    url = migrated_url(request, backend, tmp_path / "tasks.sqlite")
-    sql: TaskStore = SqliteStore(url) if backend == "sqlite" else PostgresStore(url)
-    try:
-        yield sql
-    finally:
-        sql.close()
 
 
 class TestTaskStoreContract:

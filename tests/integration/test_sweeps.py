@@ -6,11 +6,11 @@ import threading
 
 from shared.flows import parse_flows
 from shared.saga import Timing
+from shared.scheduler import sweep_tasks
 from shared.service import TaskService
 from shared.states import Phase, StepCode, TaskStatus
 from shared.storage import TaskStore
 from shared.testing import ManualClock, QueuePublisher
-from tests.integration.test_store_contract import store  # noqa: F401 - the parametrized fixture
 
 FLOWS = parse_flows(
     {"flows": {"one": {"steps": [{"normal": {"module": "m", "command": "c", "timeout": 10}}]}}}
@@ -30,7 +30,7 @@ def test_concurrent_schedulers_republish_each_lost_message_once(store: TaskStore
 
     def sweep(service: TaskService) -> None:
         barrier.wait(timeout=30)
-        changed.append(service.sweep(limit=1000))
+        changed.append(sweep_tasks(service, clock(), limit=1000))
 
     threads = [threading.Thread(target=sweep, args=(s,)) for s in schedulers]
     for t in threads:
@@ -41,7 +41,7 @@ def test_concurrent_schedulers_republish_each_lost_message_once(store: TaskStore
     assert sum(changed) == 40
     assert sorted(m.task_id for m in publisher.messages) == sorted(ids)
     assert all(m.seq == 1 for m in publisher.messages)  # the same message again, not a new one
-    assert schedulers[0].sweep() == 0  # nothing due until requeue_after passes again
+    assert sweep_tasks(schedulers[0], clock()) == 0  # nothing due until requeue_after passes again
 
 
 def test_sweep_expires_running_attempts_past_their_deadline(store: TaskStore) -> None:  # noqa: F811
@@ -52,9 +52,9 @@ def test_sweep_expires_running_attempts_past_their_deadline(store: TaskStore) ->
     task, _ = service.submit("one", {})
     service.apply(task.task_id, Started(1))  # then its worker dies
     clock.advance(10 + 2 - 0.01)
-    assert service.sweep() == 0
+    assert sweep_tasks(service, clock()) == 0
     clock.advance(0.02)
-    assert service.sweep() == 1
+    assert sweep_tasks(service, clock()) == 1
     expired = service.get(task.task_id)
     # One step, no retry, no rollback: the lost attempt fails the task outright.
     assert expired.status is TaskStatus.FAILED and expired.steps[0].code == StepCode.TIMED_OUT
@@ -72,6 +72,6 @@ def test_sweep_leaves_queued_messages_while_the_broker_is_down(store: TaskStore)
     task, _ = service.submit("one", {})
     publisher.messages.clear()
     clock.advance(100)
-    assert service.sweep() == 0 and not publisher.messages
+    assert sweep_tasks(service, clock()) == 0 and not publisher.messages
     stored = service.get(task.task_id)
     assert stored.active is not None and stored.active.phase is Phase.QUEUED

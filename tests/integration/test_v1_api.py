@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import threading
-import warnings
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
 
-from shared.config import Settings
-from shared.flows import load_flows
-from shared.runtime import Runtime
-from shared.storage.sql import SqlStore, open_store
-from shared.testing import ManualClock, QueuePublisher
-from tests.integration.conftest import migrated_url
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # starlette's test client warns about its httpx import
-    from fastapi.testclient import TestClient
-
 from oss_api.app import create_app
+from oss_api.testing import TestClient
+from shared.flows import load_flows
+from shared.scheduler import sweep_leases
+from shared.storage.sql import SqlStore
+from shared.testing import InProcess, ManualClock
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 TASK_FIELDS = {
@@ -33,23 +25,11 @@ TASK_FIELDS = {
 }
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
-    url = migrated_url(request, request.param, tmp_path / "v1.sqlite")
-    store = open_store(url)
-    try:
-        yield store
-    finally:
-        store.close()
-
-
 class V1:
     def __init__(self, store: SqlStore, home: Path) -> None:
-        self.runtime = Runtime(
-            Settings(home=home), flows=load_flows(SUPPORT / "flows.yaml"), store=store, publisher=QueuePublisher()
-        )
-        self.clock = ManualClock()
-        self.runtime.pull_service.clock = self.clock
+        app = InProcess(load_flows(SUPPORT / "flows.yaml"), home, store)
+        self.runtime = app.runtime
+        self.clock = app.clock
         self.http = TestClient(create_app(self.runtime))
 
     def post(self, path: str, body: Any) -> dict[str, Any]:
@@ -256,9 +236,9 @@ def test_lease_expiry_returns_the_task_to_pending(v1: V1) -> None:
     v1.hold()
     service = v1.runtime.pull_service
     v1.clock.advance(59)
-    assert service.expire() == 0
+    assert sweep_leases(service, v1.clock()) == 0
     v1.clock.advance(1)
-    assert service.expire() == 1
+    assert sweep_leases(service, v1.clock()) == 1
     data = v1.get("get_task", task_id=task_id)["task_data"]
     assert (data["status"], data["crt_retry_num"]) == (1, 1)
 

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import importlib
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,20 +13,14 @@ from typing import Any
 
 import pytest
 
-from oss_api.app import create_app
+from oss_api.testing import TestClient, open_client
 from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import load_flows
 from shared.runtime import Runtime
 from shared.states import StepType, TaskStatus
 from shared.storage import InMemoryStore, StorageUnavailable, TaskFilter, TaskStore
-from shared.testing import ManualClock, QueuePublisher
-
-with warnings.catch_warnings():
-    # starlette >= 1.x prefers httpx2 for its TestClient and warns when it falls back
-    # to httpx (a project dependency); the client works the same either way.
-    warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
-    from fastapi.testclient import TestClient
+from shared.testing import InProcess, ManualClock, QueuePublisher
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 MAX_BODY = 256 * 1024  # request body limit for these tests; parameters stay at the 64 KiB default
@@ -80,17 +73,10 @@ class Api:
 
 @pytest.fixture
 def api(tmp_path: Path, store: TaskStore) -> Iterator[Api]:
-    publisher = QueuePublisher()
-    runtime = Runtime(
-        Settings(home=tmp_path, max_body_bytes=MAX_BODY),
-        flows=load_flows(SUPPORT / "flows.yaml"),
-        store=store,
-        publisher=publisher,
-    )
-    clock = ManualClock()
-    runtime.service.clock = clock
-    with TestClient(create_app(runtime)) as client:
-        yield Api(client, store, publisher, clock, runtime)
+    settings = Settings(home=tmp_path, max_body_bytes=MAX_BODY)
+    app = InProcess(load_flows(SUPPORT / "flows.yaml"), tmp_path, store, settings=settings)
+    with open_client(app.runtime) as client:
+        yield Api(client, store, app.publisher, app.clock, app.runtime)
 
 
 def error_of(response: Any) -> str:
@@ -447,8 +433,8 @@ def test_get_flows_lists_the_loaded_definitions(api: Api) -> None:
     assert set(flows) == set(api.runtime.flows.flows) >= {"three", "noop"}
     step0 = flows["three"]["steps"][0]
     assert step0["normal"] == {"module": "alpha", "command": "step", "timeout": 20.0, "retry": 0,
-                               "retry_interval": 1.0, "max_retry_interval": -1.0}
-    assert step0["rollback"]["retry_interval"] == 0.2
+                               "max_retry_interval": -1.0}
+    assert step0["rollback"]["max_retry_interval"] == -0.2
     assert [s["rollback"] for s in flows["noop"]["steps"]] == [None, None, None]
 
 
@@ -463,9 +449,8 @@ def test_healthz_is_503_when_the_store_is_down(tmp_path: Path) -> None:
         def ping(self) -> None:
             raise StorageUnavailable("connection refused")
 
-    runtime = Runtime(Settings(home=tmp_path), flows=load_flows(SUPPORT / "flows.yaml"),
-                      store=DownStore(), publisher=QueuePublisher())
-    with TestClient(create_app(runtime)) as client:
+    app = InProcess(load_flows(SUPPORT / "flows.yaml"), tmp_path, DownStore())
+    with open_client(app.runtime) as client:
         r = client.get("/healthz")
     assert r.status_code == 503
     assert "unavailable" in error_of(r)

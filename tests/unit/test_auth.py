@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,18 +22,13 @@ from click.testing import CliRunner
 
 from asyncflow import cli
 from asyncflow.client import ApiClient
-from oss_api.app import create_app
 from oss_api.auth import AuthConfigError, load_keys
+from oss_api.testing import TestClient, open_client
 from shared.config import Settings
 from shared.flows import load_flows
-from shared.runtime import Runtime
 from shared.states import TaskStatus
 from shared.storage import InMemoryStore, TaskFilter, TaskStore
-from shared.testing import ManualClock, QueuePublisher
-
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
-    from fastapi.testclient import TestClient
+from shared.testing import InProcess, ManualClock, QueuePublisher
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 ALICE, BOB, ROOT = "alice-key-0001", "bob-key-00002", "root-key-00003"
@@ -75,21 +70,17 @@ class Api:
         return {t.task_id: (t.user_id, t.status) for t in self.store.list(TaskFilter(limit=1000))}
 
 
-def make_app(settings: Settings, store: TaskStore | None = None) -> tuple[TestClient, Runtime]:
-    runtime = Runtime(
-        settings, flows=load_flows(SUPPORT / "flows.yaml"), store=store or InMemoryStore(),
-        publisher=QueuePublisher(),
-    )
-    return TestClient(create_app(runtime)), runtime
+@contextmanager
+def serving(settings: Settings, store: TaskStore | None = None) -> Iterator[tuple[TestClient, InProcess]]:
+    app = InProcess(load_flows(SUPPORT / "flows.yaml"), settings.home, store or InMemoryStore(), settings=settings)
+    with open_client(app.runtime) as client:
+        yield client, app
 
 
 @pytest.fixture
 def api(tmp_path: Path, store: TaskStore) -> Iterator[Api]:
-    client, runtime = make_app(Settings(home=tmp_path, api_keys=KEYS), store)
-    clock = ManualClock()
-    runtime.service.clock = clock
-    with client:
-        yield Api(client, store, runtime.service.publisher, clock)  # type: ignore[arg-type]
+    with serving(Settings(home=tmp_path, api_keys=KEYS), store) as (client, app):
+        yield Api(client, store, app.publisher, app.clock)
 
 
 def error_of(response: httpx.Response) -> str:
@@ -382,8 +373,10 @@ def test_an_unreadable_or_binary_keys_file_fails_clearly(tmp_path: Path) -> None
 
 
 def test_the_app_refuses_to_start_with_bad_keys(tmp_path: Path) -> None:
-    with pytest.raises(AuthConfigError, match="ASYNCFLOW_API_KEYS: entry 1"):
-        make_app(Settings(home=tmp_path, api_keys="nonsense"))
+    with pytest.raises(AuthConfigError, match="ASYNCFLOW_API_KEYS: entry 1"), serving(
+        Settings(home=tmp_path, api_keys="nonsense")
+    ):
+        pass
 
 
 def test_asyncflow_api_fails_at_start_up_on_bad_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -408,10 +401,9 @@ def test_asyncflow_api_fails_at_start_up_on_bad_keys(tmp_path: Path, monkeypatch
 
 def test_without_keys_the_api_is_open_and_says_so_loudly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="oss_api")
-    client, _ = make_app(Settings(home=tmp_path))
-    warnings_logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "oss_api.auth"]
-    assert warnings_logged == [(logging.WARNING, OFF_WARNING)]
-    with client:
+    with serving(Settings(home=tmp_path)) as (client, _):
+        warnings_logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "oss_api.auth"]
+        assert warnings_logged == [(logging.WARNING, OFF_WARNING)]
         r = client.post("/api/tasks", json={"flow": "noop", "user_id": "anyone"})
         assert r.status_code == 201 and r.json()["user_id"] == "anyone"
         assert client.get("/api/tasks", params={"user_id": "anyone"}).json()["tasks"]
@@ -421,8 +413,7 @@ def test_with_keys_the_start_up_log_counts_them_and_never_shows_one(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    client, _ = make_app(Settings(home=tmp_path, api_keys=KEYS + ",change-me-admin=ops2:admin"))
-    with client:
+    with serving(Settings(home=tmp_path, api_keys=KEYS + ",change-me-admin=ops2:admin")) as (client, _):
         client.get("/api/tasks", headers=bearer("wrong-key-0005"))
         client.get("/api/tasks", headers=bearer(ALICE))
     messages = [r.getMessage() for r in caplog.records if r.name == "oss_api.auth"]

@@ -87,7 +87,7 @@ def test_support_flows_load_with_their_commands(testmod_on_path: None, tmp_path:
     flows = load_flows(write(tmp_path, support_flows()), check_commands=True)
     three = flows.flows["three"]
     assert len(three.steps) == 3
-    assert three.steps[0].rollback is not None and three.steps[0].rollback.retry_interval == 0.2
+    assert three.steps[0].rollback is not None and three.steps[0].rollback.max_retry_interval == -0.2
     assert flows.import_path("alpha") == "testmod"
     assert flows.import_path("undeclared") == "modules.undeclared"
 
@@ -192,6 +192,11 @@ ERRORS = {
         _set("flow", value={}),
         "flow: ",
         "Extra inputs are not permitted",
+    ),
+    "retry_interval of earlier releases": (
+        _set(*STEPS, 0, "normal", "retry_interval", value=5),
+        "flow 'three': steps[0].normal: ",
+        "uniform retries every S seconds are max_retry_interval: -S",
     ),
     "unknown module mode": (
         _set("modules", "alpha", "mode", value="pull-ish"),

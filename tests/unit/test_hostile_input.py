@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import string
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,18 +23,13 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from oss_api.app import create_app
 from oss_api.limits import MAX_PARAMETERS_DEPTH
+from oss_api.testing import TestClient, open_client
 from shared.config import Settings
 from shared.flows import FlowsError, FlowSet, load_flows, parse_flows
-from shared.runtime import Runtime
 from shared.storage import TaskFilter
 from shared.storage.sql import SqliteStore
-from shared.testing import QueuePublisher
-
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
-    from fastapi.testclient import TestClient
+from shared.testing import InProcess
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 MAX_BODY = 1_048_576
@@ -110,12 +104,9 @@ def assert_storable_on_postgresql(value: Any) -> None:
 def _target(tmp: Path, api_keys: str) -> Iterator[Target]:
     store = SqliteStore(f"sqlite:///{tmp / 'tasks.sqlite'}")
     store.create_schema()
-    runtime = Runtime(
-        Settings(home=tmp, api_keys=api_keys), flows=load_flows(SUPPORT / "flows.yaml"), store=store,
-        publisher=QueuePublisher(),
-    )
+    app = InProcess(load_flows(SUPPORT / "flows.yaml"), tmp, store, settings=Settings(home=tmp, api_keys=api_keys))
     try:
-        with TestClient(create_app(runtime)) as client:
+        with open_client(app.runtime) as client:
             yield Target(client, store, {"Authorization": f"Bearer {KEY}"} if api_keys else {})
     finally:
         store.close()

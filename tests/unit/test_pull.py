@@ -6,18 +6,18 @@ from dataclasses import replace
 
 import pytest
 
-from shared.pull import (
+from shared.pull.rules import (
     MAX_LOG_BYTES,
     InvalidReport,
     PullStatus,
     Report,
     TaskType,
-    lease_expired,
+    expire,
     leased,
     new_pull_task,
     reported,
-    retry_interval,
 )
+from shared.retry import retry_delay
 
 NOW = 1_000_000.0
 
@@ -33,8 +33,8 @@ def test_created_pending_and_ordered_ahead_by_its_priority() -> None:
 
 
 def test_progressive_and_uniform_retry_intervals() -> None:
-    assert [retry_interval(n, 10) for n in range(7)] == [1, 2, 4, 8, 10, 10, 10]
-    assert [retry_interval(n, -5) for n in range(3)] == [5, 5, 5]
+    assert [retry_delay(n, 10) for n in range(7)] == [1, 2, 4, 8, 10, 10, 10]
+    assert [retry_delay(n, -5) for n in range(3)] == [5, 5, 5]
 
 
 def test_failure_retries_behind_the_queue_then_fails() -> None:
@@ -78,13 +78,13 @@ def test_only_a_leased_task_can_be_set(status: PullStatus) -> None:
 
 def test_lease_expiry_counts_as_a_failed_attempt() -> None:
     t = leased(task(max_processing_time=60), NOW)
-    assert lease_expired(t, NOW + 59) is None
-    back = lease_expired(t, NOW + 60)
+    assert expire(t, NOW + 59) is None
+    back = expire(t, NOW + 60)
     assert back is not None and back.status is PullStatus.PENDING and back.crt_retry_num == 1
     assert back.schedule_log == "lease expired: no report within max_processing_time (60 s)"
     # Added to what the workers wrote, and kept within the log's size.
     long = replace(leased(task(max_processing_time=60), NOW), schedule_log="x" * MAX_LOG_BYTES)
-    again = lease_expired(long, NOW + 60)
+    again = expire(long, NOW + 60)
     assert again is not None and len(again.schedule_log) == MAX_LOG_BYTES
     assert again.schedule_log.endswith("x\nlease expired: no report within max_processing_time (60 s)")
-    assert lease_expired(task(), NOW + 10_000) is None  # pending: no lease
+    assert expire(task(), NOW + 10_000) is None  # pending: no lease

@@ -1,7 +1,7 @@
 """Properties of v1 pull-mode tasks for any sequence of creates, holds, reports, lease expiries and time.
 
-A Hypothesis state machine drives the real PullService on a SQLite file with a
-manual clock, and after every step compares the stored tasks with what seed 000
+A Hypothesis state machine drives the real PullService with a manual clock, on
+the in-memory store here and on SQLite in tests/integration/test_pull_store_contract.py, and after every step compares the stored tasks with what seed 000
 §三 says they must be:
 
 - hold_tasks leases at most schedule_limit tasks, only pending ones whose
@@ -15,26 +15,22 @@ manual clock, and after every step compares the stored tasks with what seed 000
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
-from tempfile import TemporaryDirectory
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from sqlalchemy import delete
 
-from shared.migrate import upgrade
-from shared.pull import InvalidReport, PullStatus, PullTask, Report, retry_interval
-from shared.pull_service import PullService
-from shared.storage.pull import PullStore
-from shared.storage.schema import pull_tasks, task_types
-from shared.storage.sql import SqlStore, open_store
+from shared.pull.rules import InvalidReport, PullStatus, PullTask, Report
+from shared.pull.service import PullService
+from shared.retry import retry_delay
+from shared.scheduler import sweep_leases
+from shared.storage import InMemoryPullStore, PullStore
 from shared.testing import ManualClock
 
 TYPE = "t"
-DIRECTORY = TemporaryDirectory()
 
 
 def same(a: PullTask, b: PullTask) -> bool:
@@ -43,21 +39,12 @@ def same(a: PullTask, b: PullTask) -> bool:
 
 
 class PullTasks(RuleBasedStateMachine):
-    # One database for every example, emptied at the start of each: migrating a
-    # new file per example would cost more than the example.
-    sql: SqlStore | None = None
+    open_store: Callable[[], PullStore] = InMemoryPullStore
 
     def __init__(self) -> None:
         super().__init__()
-        if PullTasks.sql is None:
-            url = f"sqlite:///{Path(DIRECTORY.name) / 'pull.sqlite'}"
-            upgrade(url)
-            PullTasks.sql = open_store(url)
-        with PullTasks.sql.transaction() as conn:
-            conn.execute(delete(pull_tasks))
-            conn.execute(delete(task_types))
         self.clock = ManualClock()
-        self.service = PullService(PullStore(PullTasks.sql), clock=self.clock)
+        self.service = PullService(type(self).open_store(), clock=self.clock)
         self.count = 0
 
     @initialize(
@@ -149,7 +136,7 @@ class PullTasks(RuleBasedStateMachine):
             return
         assert (new.status, new.crt_retry_num) == (PullStatus.PENDING, task.crt_retry_num + 1)
         # Its retry interval, not its priority: a failed task does not jump the queue.
-        assert new.order_time == now + retry_interval(task.crt_retry_num, task.max_retry_interval) >= now
+        assert new.order_time == now + retry_delay(task.crt_retry_num, task.max_retry_interval) >= now
         assert new.task_stage == task.task_stage
 
     @rule()
@@ -159,7 +146,7 @@ class PullTasks(RuleBasedStateMachine):
         overdue = {
             i for i, t in before.items() if t.status is PullStatus.RUNNING and now >= t.modify_time + self.lease
         }
-        assert self.service.expire() == len(overdue)
+        assert sweep_leases(self.service, now) == len(overdue)
         after = self.tasks()
         for task_id, task in before.items():
             if task_id in overdue:

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.flows import parse_flows
-from shared.pull import PullStatus, Report
-from shared.pull_steps import InvalidStepReport, parse_step_id, step_event, step_id
+from shared.pull.rules import PullStatus, Report
+from shared.pull.steps import InvalidStepReport, parse_step_id, step_event, step_id
 from shared.saga import Failed, PollLater, Started, Submit, Succeeded, Timing, decide
 from shared.task import Task, new_task
 

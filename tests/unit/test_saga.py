@@ -25,7 +25,7 @@ from shared.saga import (
     decide,
 )
 from shared.states import Phase, StepCode, StepState, StepType, TaskStatus
-from shared.task import Task, new_task
+from shared.task import Command, Task, new_task
 
 
 def flow(*retries: int, rollbacks: tuple[bool, ...] | None = None) -> Flow:
@@ -119,9 +119,9 @@ def test_retry_redelivers_after_backoff_without_consuming_a_new_step() -> None:
 
 
 def test_progressive_backoff_follows_min_pow2_max() -> None:
-    action = Action(module="m", command="c", max_retry_interval=10)
+    action = Command.of(Action(module="m", command="c", max_retry_interval=10))
     assert [action.backoff(n) for n in range(1, 8)] == [1, 2, 4, 8, 10, 10, 10]
-    assert Action(module="m", command="c", retry_interval=3).backoff(5) == 3
+    assert Command.of(Action(module="m", command="c", max_retry_interval=-3)).backoff(5) == 3
 
 
 def test_permanent_failure_skips_remaining_retries() -> None:

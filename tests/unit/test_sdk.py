@@ -1,12 +1,9 @@
-"""The Python worker SDK (asyncflow.sdk) against the real v1 API on SQLite."""
+"""The Python worker SDK (asyncflow.sdk) against the real v1 API, in process."""
 
 from __future__ import annotations
 
 import json
 import threading
-import time
-import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +12,10 @@ import pytest
 from asyncflow.sdk import Done, Job, NextStage, PollAgain, Retry, Worker
 from examples.fake_media_service import FakeMediaService
 from examples.video_worker import build_worker
-from shared.config import Settings
-from shared.flows import load_flows
-from shared.migrate import upgrade
-from shared.runtime import Runtime
-from shared.storage.sql import SqliteStore
-from shared.testing import ManualClock, QueuePublisher
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # starlette's test client warns about its httpx import
-    from fastapi.testclient import TestClient
-
 from oss_api.app import create_app
+from oss_api.testing import TestClient
+from shared.flows import load_flows
+from shared.testing import InProcess, wait_for
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 BASE = "http://testserver"
@@ -34,15 +23,9 @@ BASE = "http://testserver"
 
 class Server:
     def __init__(self, home: Path) -> None:
-        url = f"sqlite:///{home / 'v1.sqlite'}"
-        upgrade(url)
-        self.store = SqliteStore(url)
-        self.runtime = Runtime(
-            Settings(home=home), flows=load_flows(SUPPORT / "flows.yaml"), store=self.store,
-            publisher=QueuePublisher(),
-        )
-        self.clock = ManualClock()
-        self.runtime.pull_service.clock = self.clock
+        app = InProcess(load_flows(SUPPORT / "flows.yaml"), home)
+        self.runtime = app.runtime
+        self.clock = app.clock
         self.http = TestClient(create_app(self.runtime))
 
     def call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -65,19 +48,8 @@ class Server:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    server = Server(tmp_path)
-    try:
-        yield server
-    finally:
-        server.store.close()
-
-
-def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
+def server(tmp_path: Path) -> Server:
+    return Server(tmp_path)
 
 
 def test_done_sets_success_with_content_and_log(server: Server) -> None:
@@ -204,7 +176,7 @@ def test_no_hold_while_the_backlog_is_full(server: Server) -> None:
     assert [server.task(t)["status"] for t in (first, second)] == [2, 1]  # the second is still pending
     release.set()
     assert [f.result(5) for f in futures] == [Done()]
-    until(lambda: worker.backlog == 0)
+    wait_for(lambda: worker.backlog == 0, 5, "an empty backlog")
     assert len(worker.run_once()) == 1
     assert [server.task(t)["status"] for t in (first, second)] == [3, 3]
 
@@ -218,7 +190,7 @@ def test_run_polls_until_stopped_and_drains(server: Server) -> None:
     thread = threading.Thread(target=worker.run, args=(stop,))
     thread.start()
     try:
-        until(lambda: all(server.task(t)["status"] == 3 for t in ids))
+        wait_for(lambda: all(server.task(t)["status"] == 3 for t in ids), 5, "every task done")
     finally:
         stop.set()
         thread.join(5)
@@ -243,7 +215,7 @@ def test_the_video_example_end_to_end(server: Server) -> None:
             worker.run_once()
             return all(server.task(t)["status"] == 3 for t in (good, bad))
 
-        until(finished, timeout=10)
+        wait_for(finished, 10, "the worker to finish")
 
     task = server.task(good)
     content = json.loads(task["task_content"])
@@ -284,4 +256,4 @@ def test_stop_hands_back_jobs_still_queued_after_the_drain_timeout(server: Serve
         assert server.task(second)["schedule_log"] == "released: worker stopping"
     finally:
         release.set()
-    until(lambda: server.task(first)["status"] == 3)
+    wait_for(lambda: server.task(first)["status"] == 3, 5, "the first task done")

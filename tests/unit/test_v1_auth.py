@@ -3,34 +3,25 @@
 With keys configured, every /v1 call but ping needs a known key (HTTP 401
 otherwise, as on /api); task types, leases (hold_tasks, set_task) and counts
 need an admin key (code 4, FORBIDDEN); a tenant creates tasks as itself and sees
-only its own. Through the real app on a SQLite file; "nothing stored" is checked
-on the tables.
+only its own. Through the real app on the in-memory stores; "nothing stored" is
+checked on the store.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import func, select
 
-from oss_api.app import create_app
+from oss_api.testing import TestClient, open_client
 from shared.config import Settings
 from shared.flows import load_flows
-from shared.migrate import upgrade
-from shared.runtime import Runtime
-from shared.storage.schema import pull_tasks, task_types
-from shared.storage.sql import SqlStore, open_store
-from shared.testing import QueuePublisher
+from shared.storage import PullStore
+from shared.testing import InProcess
 from tests.unit.test_auth import ALICE, BOB, KEYS, MISSING, ROOT, bearer
-
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
-    from fastapi.testclient import TestClient
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
@@ -50,7 +41,7 @@ ADMIN_ONLY = ["register_task_type", "register_task", "hold_tasks", "set_task", "
 
 
 class V1:
-    def __init__(self, client: TestClient, store: SqlStore) -> None:
+    def __init__(self, client: TestClient, store: PullStore) -> None:
         self.client = client
         self.store = store
 
@@ -65,25 +56,16 @@ class V1:
         return response.json()
 
     def rows(self) -> tuple[int, int]:
-        with self.store.engine.connect() as conn:
-            tasks = conn.execute(select(func.count()).select_from(pull_tasks)).scalar_one()
-            types = conn.execute(select(func.count()).select_from(task_types)).scalar_one()
-        return tasks, types
+        return len(self.store.list(None, None, None, 1_000_000)), len(self.store.types())
 
 
 @pytest.fixture
 def v1(tmp_path: Path) -> Iterator[V1]:
-    url = f"sqlite:///{tmp_path / 'v1.sqlite'}"
-    upgrade(url)
-    store = open_store(url)
-    runtime = Runtime(
-        Settings(home=tmp_path, api_keys=KEYS), flows=load_flows(SUPPORT / "flows.yaml"), store=store,
-        publisher=QueuePublisher(),
-    )
-    runtime.pull_service.register_type({"task_type": "video"})
-    with TestClient(create_app(runtime)) as client:
-        yield V1(client, store)
-    store.close()
+    settings = Settings(home=tmp_path, api_keys=KEYS)
+    app = InProcess(load_flows(SUPPORT / "flows.yaml"), tmp_path, settings=settings)
+    app.runtime.pull_service.register_type({"task_type": "video"})
+    with open_client(app.runtime) as client:
+        yield V1(client, app.runtime.pull_store)
 
 
 @pytest.mark.parametrize(("method", "path", "data"), CALLS, ids=[c[1] for c in CALLS])

@@ -8,23 +8,22 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from shared import metrics
-from shared.pull import (
+from shared.pull.rules import (
     MAX_TASK_ID,
     PullStatus,
     PullTask,
     Report,
     TaskType,
-    lease_expired,
+    expire,
     new_pull_task,
     reported,
 )
 from shared.service import ServiceError, TaskNotFound
-from shared.storage.pull import PullStore
+from shared.storage import PullStore
+from shared.transition import compare_and_set
 
 if TYPE_CHECKING:
-    from shared.pull_steps import StepLeases
-
-MAX_CAS_ROUNDS = 20
+    from shared.pull.steps import StepLeases
 
 
 class UnknownTaskType(ServiceError):
@@ -126,22 +125,42 @@ class PullService:
         return new
 
     def _save_report(self, task: PullTask, report: Report) -> PullTask:
-        for _ in range(MAX_CAS_ROUNDS):
-            new = reported(task, report, self.clock())  # raises InvalidReport
-            if self.store.save(new):
-                return new
-            task = self.get(task.task_id)
-        raise RuntimeError(f"task {task.task_id}: gave up after {MAX_CAS_ROUNDS} concurrent updates")
-
-    def expire(self, limit: int = 500) -> int:
-        """Leases past max_processing_time: a failed attempt each (retry or fail)."""
-        changed = 0
         now = self.clock()
-        for task in self.store.expired(now, limit):
-            new = lease_expired(task, now)
-            if new is not None and self.store.save(new):
-                changed += 1
-        return changed
+        _, new = compare_and_set(
+            f"task {task.task_id}",
+            lambda: self.get(task.task_id),
+            lambda current: reported(current, report, now),  # raises InvalidReport
+            lambda _, new: self.store.save(new),
+            known=task,
+        )
+        return new
+
+    def due(self, now: float, limit: int) -> list[PullTask]:
+        """Leases ended by ``now``: the scheduler's work."""
+        return self.store.due(now, limit)
+
+    def expire(self, task: PullTask, now: float) -> bool:
+        """A lease past max_processing_time is a failed attempt (retry or fail); False if it was not."""
+        _, new = compare_and_set(
+            f"task {task.task_id}",
+            lambda: self.get(task.task_id),
+            lambda current: expire(current, now),
+            lambda _, new: None if new is None else self.store.save(new),
+            known=task,
+        )
+        return new is not None  # compare_and_set returns a change only once it is stored
+
+    def list(
+        self, task_type: str | None, status: int | None, stage: str | None, limit: int, user_id: str | None
+    ) -> list[PullTask]:
+        """Newest first."""
+        return self.store.list(task_type, status, stage, limit, user_id=user_id)
+
+    def count(self, task_type: str) -> dict[int, int]:
+        """Tasks of a known ``task_type`` by status, every status present."""
+        self.task_type(task_type)
+        counts = self.store.count(task_type)
+        return {int(s): counts.get(int(s), 0) for s in PullStatus}
 
     def get(self, task_id: str) -> PullTask:
         task = self.store.get(task_id)

@@ -26,11 +26,11 @@ from typing import Any
 
 from shared.flows import FlowSet, ModuleDecl
 from shared.module import idempotency_key
-from shared.pull import InvalidReport, PullStatus, PullTask, Report, TaskType
+from shared.pull.rules import InvalidReport, PullStatus, PullTask, Report, TaskType
 from shared.saga import Event, Failed, PollLater, Started, Succeeded, message_for
 from shared.service import Publisher, TaskNotFound, TaskService
 from shared.states import StepType
-from shared.storage.pull import PullStore
+from shared.storage import PullStore
 from shared.task import Alarm, StepMessage, Task
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ with set_task. Ordering is one number, ``order_time`` (seed 000 §三.2): the
 smallest is leased first.
 
     created, or a stage succeeded:    order_time = now - priority
-    failed (or its lease expired):    order_time = now + retry_interval
+    failed (or its lease expired):    order_time = now + the retry delay (shared.retry)
 
 so a high-priority task that fails does not jump the queue during its retry
 interval, and a task entering a new stage goes behind the ones already waiting.
@@ -19,7 +19,9 @@ from enum import IntEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+from shared.names import NAME
+from shared.retry import retry_delay
+
 # Room for a pull-mode saga step's "<task id (64)>.<seq>"; the width of af_pull_tasks.task_id.
 MAX_TASK_ID = 80
 MAX_CONTENT_BYTES = 4096  # seed 001 §三.2: task_content is a small context (JSON, a URL...)
@@ -47,15 +49,7 @@ class TaskType(BaseModel):
     schedule_interval: int = Field(default=1, ge=0, le=3600)  # seconds between polls (for workers)
     max_processing_time: int = Field(default=300, ge=1, le=7 * 24 * 3600)  # lease, seconds
     max_retry_num: int = Field(default=3, ge=0, le=1000)
-    # Negative: uniform retries every |max_retry_interval| s; positive: min(2^n, max).
-    max_retry_interval: int = Field(default=10, ge=-24 * 3600, le=24 * 3600)
-
-
-def retry_interval(crt_retry_num: int, max_retry_interval: int) -> float:
-    """Seconds before retry number ``crt_retry_num`` (0-based) may be leased."""
-    if max_retry_interval < 0:
-        return float(-max_retry_interval)
-    return float(min(1 << min(crt_retry_num, 30), max_retry_interval))
+    max_retry_interval: int = Field(default=10, ge=-24 * 3600, le=24 * 3600)  # shared.retry
 
 
 @dataclass(frozen=True)
@@ -125,7 +119,7 @@ def _failed_attempt(task: PullTask, now: float) -> PullTask:
     """One more failure: retry after the interval, or fail for good."""
     if task.crt_retry_num >= task.max_retry_num:
         return replace(task, status=PullStatus.FAILED, modify_time=now)
-    delay = retry_interval(task.crt_retry_num, task.max_retry_interval)
+    delay = retry_delay(task.crt_retry_num, task.max_retry_interval)
     return replace(
         task,
         status=PullStatus.PENDING,
@@ -166,7 +160,7 @@ def reported(task: PullTask, report: Report, now: float) -> PullTask:
     )
 
 
-def lease_expired(task: PullTask, now: float) -> PullTask | None:
+def expire(task: PullTask, now: float) -> PullTask | None:
     """A running task past max_processing_time counts as a failed attempt (seed 000 §三.5).
 
     A line is added to schedule_log, so whoever reads the task sees why it ran again.

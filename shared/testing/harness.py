@@ -1,4 +1,4 @@
-"""In-process fakes for testing flows and modules without a broker or a server.
+"""Run flows and modules in one process: no broker, no server, a manual clock.
 
     harness = Harness(flows, {"resource": resource.module})
     task, _ = harness.service.submit("create_mysql_instance", {"Cpu": 1})
@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -16,37 +15,12 @@ from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import FlowSet
 from shared.module import Module
+from shared.scheduler import sweep_tasks
 from shared.service import TaskService
 from shared.storage import InMemoryStore, TaskStore
-from shared.task import Alarm, StepMessage
-
-
-class ManualClock:
-    def __init__(self, start: float = 1_700_000_000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class QueuePublisher:
-    """Keeps published messages in memory, in order."""
-
-    def __init__(self) -> None:
-        self.messages: deque[StepMessage] = deque()
-        self.alarms: list[Alarm] = []
-
-    def publish(self, message: StepMessage) -> None:
-        self.messages.append(message)
-
-    def alarm(self, alarm: Alarm) -> None:
-        self.alarms.append(alarm)
-
-    def healthy(self) -> bool:
-        return True
+from shared.task import StepMessage
+from shared.testing.clock import ManualClock
+from shared.testing.fakes import QueuePublisher
 
 
 class Harness:
@@ -85,5 +59,5 @@ class Harness:
         task = self.store.get(due[0][0])
         assert task is not None and task.active is not None and task.active.due_at is not None
         self.clock.now = max(self.clock.now, task.active.due_at)
-        self.service.sweep()
+        sweep_tasks(self.service, self.clock.now)
         return True

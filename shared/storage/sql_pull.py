@@ -7,16 +7,21 @@ SQLite the write transaction (BEGIN IMMEDIATE) serializes the claims.
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from shared.pull import PullStatus, PullTask, TaskType
-from shared.storage.base import TaskConflict
+from shared.pull.rules import PullStatus, PullTask, TaskType
+from shared.storage.base import PullStore, TaskConflict
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import SqlStore
+
+if TYPE_CHECKING:
+    from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
+    from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
 
 # Columns a new task takes from its type's settings.
 _FROM_TYPE = frozenset({"max_retry_num", "max_retry_interval", "max_processing_time"})
@@ -84,7 +89,7 @@ def _task(row: Any) -> PullTask:
     return PullTask(**m)
 
 
-class PullStore:
+class SqlPullStore(PullStore):
     def __init__(self, sql: SqlStore) -> None:
         self.sql = sql
         # On PostgreSQL concurrent holds skip each other's rows; SQLite's write
@@ -123,13 +128,7 @@ class PullStore:
     # --- tasks ----------------------------------------------------------------------
 
     def create(self, task: PullTask) -> tuple[PullTask, bool] | None:
-        """Insert ``task`` with its type's retry and lease settings, read by the same statement.
-
-        None when the task type is not registered. On an existing id, returns
-        (stored task, False), or raises TaskConflict if it belongs to another
-        type or user. One statement instead of a read then a write: this is
-        the hot path of create_task.
-        """
+        # One statement reads the type's settings and inserts: create_task is a hot path.
         row = _row(replace(task, version=1))
         try:
             with self.sql.transaction() as conn:
@@ -144,26 +143,24 @@ class PullStore:
         return replace(task, version=1, **dict(inserted._mapping)), True
 
     def enqueue(self, task: PullTask) -> None:
-        """Insert ``task`` as pending; if its id exists, make it pending again unless it is.
-
-        A saga step published again (nobody started it in time) may have been
-        leased by a hold whose start was never recorded: it goes back in the queue.
-        A row still pending keeps its place (its order_time).
-        """
         row = _row(replace(task, version=1))
         stmt = self._upsert(row)
         with self.sql.transaction() as conn:
             conn.execute(stmt)
 
-    def _upsert(self, row: dict[str, Any]) -> Any:
+    def _upsert(self, row: dict[str, Any]) -> PostgresInsert | SqliteInsert:
         dialect = self.sql.engine.dialect.name
+        stmt: PostgresInsert | SqliteInsert
         if dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert as dialect_insert
+            from sqlalchemy.dialects.postgresql import insert as postgres_insert
+
+            stmt = postgres_insert(pull_tasks).values(**row)
         elif dialect == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+            stmt = sqlite_insert(pull_tasks).values(**row)
         else:
             raise NotImplementedError(f"pull-mode modules need PostgreSQL or SQLite, not {dialect}")
-        stmt = dialect_insert(pull_tasks).values(**row)
         again = {k: stmt.excluded[k] for k in row if k not in ("task_id", "create_time", "version")}
         return stmt.on_conflict_do_update(
             index_elements=[pull_tasks.c.task_id],
@@ -205,12 +202,8 @@ class PullStore:
         with self.sql.transaction(read_only=True) as conn:
             return {int(status): int(n) for status, n in conn.execute(query)}
 
-    def hold(self, task_type: str, limit: int | None, now: float) -> list[PullTask]:
-        """Lease up to ``limit`` due pending tasks of ``task_type``, smallest order_time first.
-
-        ``limit`` None: the type's schedule_limit, read by the same statement.
-        One UPDATE … RETURNING whose subquery picks the rows.
-        """
+    def hold(self, task_type: str, limit: int | None, now: float) -> builtins.list[PullTask]:
+        # One UPDATE … RETURNING whose subquery picks the rows (and reads schedule_limit).
         params: dict[str, Any] = {"held_type": task_type, "held_at": now}
         if limit is not None:
             params["held_limit"] = limit
@@ -219,7 +212,6 @@ class PullStore:
         return sorted((_task(r) for r in rows), key=lambda t: t.order_time)
 
     def save(self, task: PullTask) -> bool:
-        """Compare-and-set on the version, like the saga's task rows."""
         row = _row(task)
         del row["task_id"]
         row["version"] = task.version + 1
@@ -231,7 +223,7 @@ class PullStore:
             )
         return result.rowcount == 1
 
-    def expired(self, now: float, limit: int) -> list[PullTask]:
+    def due(self, now: float, limit: int) -> builtins.list[PullTask]:
         query = (
             select(pull_tasks)
             .where(pull_tasks.c.lease_until <= now)

@@ -1,0 +1,46 @@
+"""Governance sweeps (SPEC §4, seed 000 §三.5): act on whatever has come due by ``now``."""
+
+from __future__ import annotations
+
+import logging
+
+from shared.pull.service import PullService
+from shared.saga import Due, Expire, Requeue
+from shared.service import TaskNotFound, TaskService
+from shared.states import Phase
+
+log = logging.getLogger(__name__)
+
+_EVENTS: dict[Phase, type[Due | Requeue | Expire]] = {
+    Phase.WAITING: Due,
+    Phase.QUEUED: Requeue,
+    Phase.RUNNING: Expire,
+}
+
+
+def sweep_tasks(service: TaskService, now: float, limit: int = 500) -> int:
+    """Act on every outstanding saga message due by ``now``; returns how many changed.
+
+    Waiting messages are published, queued ones that nobody started are
+    published again, running ones past their deadline count as failed.
+    """
+    changed = 0
+    can_publish = service.publisher.healthy()
+    for task_id, seq, phase in service.due(now, limit):
+        if phase is not Phase.RUNNING and not can_publish:
+            continue  # leave it due; publishing now would only fail again
+        event = _EVENTS[phase](seq)
+        try:
+            decision = service.apply(task_id, event)
+        except TaskNotFound:
+            continue
+        if not decision.ignored:
+            changed += 1
+            if isinstance(event, Requeue | Expire):
+                log.warning("sweep: %s", type(event).__name__.lower(), extra={"task_id": task_id, "seq": seq})
+    return changed
+
+
+def sweep_leases(pull: PullService, now: float, limit: int = 500) -> int:
+    """Expire v1 leases past max_processing_time: a failed attempt each (retry or fail)."""
+    return sum(pull.expire(task, now) for task in pull.due(now, limit))
