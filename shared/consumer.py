@@ -123,6 +123,7 @@ class StepConsumer:
             patiently(
                 lambda: self.service.apply(message.task_id, event, known=known),
                 self.settings.outcome_patience,
+                "storing the outcome",
                 self.clock,
                 self.sleep,
             )

@@ -34,10 +34,13 @@ class TaskConflict(StorageError):
 def patiently(
     call: Callable[[], T],
     patience: float,
+    doing: str,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
     """``call()``, again and again while the database is unavailable, for up to ``patience`` seconds.
+
+    ``doing`` names the call in the log ("storing the outcome").
 
     Then the last :class:`StorageUnavailable` is raised. For work that is worth
     keeping through a short outage (a finished attempt's outcome); a caller that
@@ -52,7 +55,7 @@ def patiently(
             pause = reconnect_delay(failures, first=0.5, cap=8.0)
             if clock() + pause > deadline:
                 raise
-            log.warning("database unavailable, trying again in %.1fs: %s", pause, exc)
+            log.warning("database unavailable, %s again in %.1fs: %s", doing, pause, exc)
             sleep(pause)
             failures += 1
 
