@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_HOME = Path(".asyncflow")
@@ -47,6 +47,14 @@ class Settings(BaseSettings):
     requeue_after: float = 30.0
     expire_grace: float = 15.0
     publish_retry: float = 2.0
+    # 0: a consumer records each attempt's start, then its outcome (two commits per
+    # step). Above 0: one commit records the start and the outcome together, and an
+    # attempt still running after this many seconds also has its start recorded on
+    # its own (the task shows it running; it expires at its deadline instead of
+    # being published again). The price: cancelling a task whose step is queued
+    # completes only once that step is known not to run, up to
+    # record_start_after + expire_grace seconds later.
+    record_start_after: float = Field(default=0.0, ge=0)
     # How long a consumer keeps trying to store a finished attempt's outcome
     # while the database is down, before leaving it to the expiry sweep.
     outcome_patience: float = 60.0
@@ -60,6 +68,15 @@ class Settings(BaseSettings):
     migrate_on_start: bool = True
 
     log_level: str = Field(default="INFO")
+
+    @model_validator(mode="after")
+    def _start_recorded_before_requeue(self) -> Settings:
+        if self.record_start_after >= self.requeue_after:
+            raise ValueError(
+                "record_start_after must be shorter than requeue_after: a running attempt whose start "
+                "is not recorded by then would be published again"
+            )
+        return self
 
     # --- API keys (oss_api/auth.py; README "Authentication and tenancy").
     # Authentication is on when at least one key is configured, here or in the file.

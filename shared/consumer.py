@@ -9,22 +9,26 @@ own interruption into :class:`AttemptTimedOut`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from shared import metrics
 from shared.config import Settings
 from shared.module import Handler, Module, ModuleError, PermanentError, PollLater, StepContext
-from shared.saga import Event, Failed, Started, Succeeded
+from shared.saga import Failed, Started, Succeeded, stale
 from shared.saga import PollLater as PollLaterEvent
 from shared.service import TaskNotFound, TaskService
+from shared.states import StepType
 from shared.storage import StorageUnavailable, patiently
 from shared.task import Alarm, StepMessage, Task
 
 log = logging.getLogger(__name__)
 
 Outcome = Mapping[str, Any] | PollLater | None
+OutcomeEvent = Succeeded | Failed | PollLaterEvent
 
 
 class AttemptTimedOut(Exception):
@@ -53,18 +57,51 @@ class StepConsumer:
         self.sleep = sleep
 
     def handle(self, message: StepMessage) -> None:
+        """Run one attempt: one read, the handler, one commit of its start and outcome together.
+
+        The start gets a commit of its own only if the attempt outlives
+        ``settings.record_start_after``: from then on the scheduler expires it at
+        its deadline instead of publishing the message again, and the task shows
+        it running.
+        """
         log_extra = {"task_id": message.task_id, "step": message.cursor, "seq": message.seq}
         try:
-            decision = self.service.apply(message.task_id, Started(message.seq))
+            task = self.service.get(message.task_id)
         except TaskNotFound:
             log.warning("step message for an unknown task dropped", extra=log_extra)
             return
-        if decision.ignored:
+        reason = stale(task, Started(message.seq), self.service.clock())
+        if reason:
             metrics.STALE.labels(message.module).inc()
-            log.info("stale step message ignored: %s", decision.ignored, extra=log_extra)
+            log.info("stale step message ignored: %s", reason, extra=log_extra)
             return
+        if task.cancel_requested and message.type is StepType.NORMAL:
+            # Cancelled before it started: the requeue sweep compensates what ran before it.
+            log.info("step not started: its task is being cancelled", extra=log_extra)
+            return
+        started_at = self.service.clock()
+        record_start = None
+        if self.settings.record_start_after > 0:
+            record_start = threading.Timer(self.settings.record_start_after, self._record_start, (message,))
+            record_start.daemon = True
+            record_start.start()
+        else:
+            task = self.service.apply(message.task_id, Started(message.seq), known=task).task
+        try:
+            event = self._attempt(message, task)
+        finally:
+            if record_start is not None:
+                record_start.cancel()
+        self._store_outcome(message, replace(event, started_at=started_at), task)
 
-        task = decision.task
+    def _record_start(self, message: StepMessage) -> None:
+        try:
+            self.service.apply(message.task_id, Started(message.seq))
+        except Exception:  # the outcome is recorded anyway; at worst the sweep publishes a copy
+            log.exception("recording the start of a long attempt failed", extra={"task_id": message.task_id})
+
+    def _attempt(self, message: StepMessage, task: Task) -> OutcomeEvent:
+        """Run the handler of ``message`` on the stored task; what happened, as a saga event."""
         ctx = StepContext(
             task_id=task.task_id,
             flow=task.flow,
@@ -75,15 +112,14 @@ class StepConsumer:
             parameters=dict(task.parameters),
             settings=self.settings,
         )
-        started = self.clock()
         try:
             handler = self._handler(message)
         except ModuleError as exc:
             # A message for a module or command this worker does not serve: retrying
             # elsewhere would not help, compensate.
-            self.service.apply(message.task_id, Failed(message.seq, str(exc), permanent=True))
-            return
-        event: Event
+            return Failed(message.seq, str(exc), permanent=True)
+        started = self.clock()
+        event: OutcomeEvent
         try:
             outcome = self.invoke(handler, ctx)
         except AttemptTimedOut:
@@ -91,7 +127,7 @@ class StepConsumer:
         except PermanentError as exc:
             event = Failed(message.seq, str(exc) or type(exc).__name__, permanent=True)
         except Exception as exc:  # any handler error fails the attempt
-            log.info("step attempt failed: %r", exc, extra=log_extra)
+            log.info("step attempt failed: %r", exc, extra={"task_id": message.task_id, "seq": message.seq})
             event = Failed(message.seq, f"{type(exc).__name__}: {exc}")
         else:
             elapsed = self.clock() - started
@@ -111,9 +147,9 @@ class StepConsumer:
         metrics.STEP_SECONDS.labels(message.module, message.command, type(event).__name__).observe(
             self.clock() - started
         )
-        self._store_outcome(message, event, task)
+        return event
 
-    def _store_outcome(self, message: StepMessage, event: Event, known: Task) -> None:
+    def _store_outcome(self, message: StepMessage, event: OutcomeEvent, known: Task) -> None:
         """Record what the handler did, waiting out a database outage within bounds.
 
         Giving up is safe: the attempt then expires at its deadline and runs again
@@ -142,9 +178,13 @@ class StepConsumer:
         return module.handler(message.command)
 
     def lost(self, message: StepMessage, reason: str, timed_out: bool = False) -> None:
-        """The process running ``message`` died or was killed: a failed attempt."""
+        """The process running ``message`` died or was killed: a failed attempt.
+
+        Its start may not have been recorded: the failure records it, as now.
+        """
         log.warning("step attempt lost: %s", reason, extra={"task_id": message.task_id})
-        self.service.apply(message.task_id, Failed(message.seq, reason, timed_out=timed_out))
+        failed = Failed(message.seq, reason, timed_out=timed_out, started_at=self.service.clock())
+        self.service.apply(message.task_id, failed)
 
     def alarm(self, alarm: Alarm, command: str) -> None:
         """Deliver an alarm to the configured ``module.command`` (e.g. monitor.report_event)."""

@@ -73,7 +73,8 @@ class Runtime:
         pull_modules = self.flows.pull_modules()
         if pull_modules:
             publisher = RoutingPublisher(publisher, StepQueue(self.pull_store, pull_modules, s.expire_grace, self.clock))
-        timing = Timing(s.requeue_after, s.expire_grace, s.publish_retry)
+        start_recorded_within = s.record_start_after + s.expire_grace if s.record_start_after > 0 else 0.0
+        timing = Timing(s.requeue_after, s.expire_grace, s.publish_retry, start_recorded_within)
         return TaskService(self.store, publisher, self.flows, clock=self.clock, timing=timing)
 
     @cached_property

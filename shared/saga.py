@@ -8,6 +8,10 @@ Step events carry the ``seq`` of the message they answer; an event whose seq or
 phase does not match the task's one outstanding message is stale (a duplicate
 delivery, a late worker) and is ignored, so redelivery never advances a task twice.
 
+A consumer records ``Started`` only for an attempt that outlives a short
+threshold; a quick attempt reports its outcome straight from the queued phase,
+with ``started_at``, so the start and the outcome are one transition, one commit.
+
 The outstanding message's ``due_at`` is when the scheduler must look at the task
 next, whatever the phase: a waiting message is published (``Due``); a queued
 one that nobody started is published again (``Requeue``: lost in a crash
@@ -36,6 +40,10 @@ class Timing:
     requeue_after: float = 30.0  # queued, not started: publish again
     expire_grace: float = 15.0  # running past timeout + this: a lost attempt
     publish_retry: float = 2.0  # a publish failed: try again this soon
+    # 0: a consumer records an attempt's start before it runs the handler. Else a
+    # consumer running a queued message records its start (or its outcome) within
+    # this many seconds, so a cancelled message still queued after it never ran.
+    start_recorded_within: float = 0.0
 
 
 DEFAULT_TIMING = Timing()
@@ -82,10 +90,15 @@ class Started:
     seq: int
 
 
+# Outcomes carry ``started_at`` when the attempt's start was not recorded with
+# ``Started``: the outcome then records both, from the queued phase.
+
+
 @dataclass(frozen=True)
 class Succeeded:
     seq: int
     result: Mapping[str, Any] = field(default_factory=dict)
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,7 @@ class Failed:
     error: str
     timed_out: bool = False
     permanent: bool = False  # retrying cannot help: skip the remaining retries
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,7 @@ class PollLater:
     seq: int
     after: float
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,11 @@ _EXPECTED_PHASE: dict[type, Phase] = {
 _SWEEPS = (Due, Requeue, Expire)
 
 
+def unrecorded_start(event: Event) -> float | None:
+    """When an outcome's attempt began, if its start was not recorded with ``Started``."""
+    return event.started_at if isinstance(event, Succeeded | Failed | PollLater) else None
+
+
 @dataclass(frozen=True)
 class Decision:
     task: Task
@@ -154,17 +174,22 @@ def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING
     if isinstance(event, Resume):
         return _resume(task, now, timing)
 
-    stale = _stale(task, event, now)
-    if stale:
-        return Decision(task, ignored=stale)
+    reason = stale(task, event, now)
+    if reason:
+        return Decision(task, ignored=reason)
     active = task.active
     assert active is not None
+    if isinstance(event, Requeue) and task.cancel_requested and task.status is not TaskStatus.ROLLING_BACK:
+        return _cancelled_before_running(task, now, timing)
     if isinstance(event, Due | Requeue):
         return _publish_again(task, now, timing)
     if isinstance(event, PublishFailed):
         return Decision(replace(task, active=replace(active, due_at=now + timing.publish_retry)))
     if isinstance(event, Started):
         return _started(task, now, timing)
+    start = unrecorded_start(event)
+    if start is not None and active.phase is Phase.QUEUED:
+        task = _started(task, start, timing).task
     if isinstance(event, Succeeded):
         return _succeeded(task, event, now, timing)
     if isinstance(event, Expire):
@@ -179,13 +204,16 @@ def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING
     return _poll_later(task, event, now, timing)
 
 
-def _stale(task: Task, event: StepEvent, now: float) -> str | None:
+def stale(task: Task, event: StepEvent, now: float) -> str | None:
+    """Why ``event`` does not apply to the task's outstanding message, or None if it does."""
     active = task.active
     if active is None:
         return f"task {task.task_id} has no outstanding step (status {task.status.label})"
     if active.seq != event.seq:
         return f"message seq {event.seq} is not the outstanding seq {active.seq}"
     expected = _EXPECTED_PHASE[type(event)]
+    if unrecorded_start(event) is not None and active.phase is Phase.QUEUED:
+        expected = Phase.QUEUED
     if active.phase is not expected:
         return f"{type(event).__name__} for seq {event.seq} while it is {active.phase.name.lower()}"
     if isinstance(event, _SWEEPS) and (active.due_at is None or active.due_at > now):
@@ -373,7 +401,18 @@ def _cancel(task: Task, now: float, timing: Timing) -> Decision:
     if active.phase is Phase.RUNNING:
         # The attempt in flight finishes (or times out); its outcome starts the rollback.
         return Decision(task)
-    n = active.cursor
+    if active.phase is Phase.QUEUED and timing.start_recorded_within > 0:
+        # A consumer may be running it and not have recorded the start yet: its outcome
+        # then starts the rollback. If nothing is heard by the time a start would have
+        # been recorded, the attempt never ran (the requeue sweep says so).
+        return Decision(replace(task, active=replace(active, due_at=now + timing.start_recorded_within)))
+    return _cancelled_before_running(task, now, timing)
+
+
+def _cancelled_before_running(task: Task, now: float, timing: Timing) -> Decision:
+    """The outstanding normal attempt of a cancelled task is not running: compensate now."""
+    assert task.active is not None
+    n = task.active.cursor
     task = replace(task, message="cancelled by operator", active=None)
     if task.steps[n].attempts == 0:
         # Step n never ran: nothing of it to undo.

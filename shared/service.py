@@ -30,6 +30,7 @@ from shared.saga import (
     Succeeded,
     Timing,
     decide,
+    unrecorded_start,
 )
 from shared.states import Phase, StepType
 from shared.storage import AttemptRecord, TaskFilter, TaskStore
@@ -214,6 +215,8 @@ def _attempt_record(task: Task, event: Event, now: float) -> AttemptRecord | Non
         attempt=active.attempt,
         module=action.module,
         command=action.command,
+        # An outcome of an attempt whose start was not recorded writes the whole attempt at once.
+        started_at=unrecorded_start(event) if active.phase is Phase.QUEUED else None,
     )
     if isinstance(event, Started):
         return replace(base, started_at=now)

@@ -105,7 +105,9 @@ class TaskStore(abc.ABC):
         """Store ``task`` if the stored version still equals ``task.version``.
 
         Returns False when another transition got there first (nothing written).
-        ``attempt`` is inserted or updated in the same transaction.
+        ``attempt`` is written in the same transaction: inserted when it carries
+        ``started_at`` (a start, or a whole attempt whose start was not recorded),
+        else its outcome updates the attempt already stored.
         """
 
     @abc.abstractmethod

@@ -104,7 +104,7 @@ class SqlStore(TaskStore):
         return True
 
     def _write_attempt(self, conn: Connection, a: AttemptRecord) -> None:
-        if a.started_at is not None and a.outcome is None:
+        if a.started_at is not None:  # a new attempt (its start, or all of it at once)
             conn.execute(insert(attempts).values(**_attempt_row(a)))
             return
         conn.execute(

@@ -34,10 +34,20 @@ TIMING = {
 BETA = "worker-beta+monitor"
 
 
-@pytest.fixture(scope="module", params=["embedded", "postgres-rabbitmq"])
+# The last stack records a quick step's start with its outcome (one commit per step).
+ONE_COMMIT = {"ASYNCFLOW_RECORD_START_AFTER": "1"}
+STACKS = {
+    "embedded": ("embedded", {}),
+    "postgres-rabbitmq": ("postgres-rabbitmq", {}),
+    "postgres-rabbitmq-one-commit": ("postgres-rabbitmq", ONE_COMMIT),
+}
+
+
+@pytest.fixture(scope="module", params=list(STACKS))
 def faulty(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    backend, env = STACKS[request.param]
     home = tmp_path_factory.mktemp("faults-" + request.param)
-    with open_stack(request.param, home, TIMING, [["alpha"], ["beta", "monitor"]]) as stack:
+    with open_stack(backend, home, TIMING | env, [["alpha"], ["beta", "monitor"]]) as stack:
         yield stack
 
 
@@ -60,6 +70,8 @@ def test_consumer_killed_mid_step_is_recovered_by_the_expiry_sweep(faulty: Stack
     gate = tmp_path / "go"
     task = faulty.submit("short", {"wait_for_file": {"1": str(gate)}})
     started(faulty, task["task_id"], 1)
+    # With one commit per step, the start is recorded once the attempt outlives a second.
+    wait_for(lambda: (faulty.get(task["task_id"])["current"] or {}).get("phase") == "running", 30, "the start")
     faulty.kill(BETA)  # kill -9 of the worker and its pool, mid-step
     killed_at = time.monotonic()
     gate.touch()
@@ -90,6 +102,29 @@ def test_message_lost_after_commit_is_published_again(faulty: Stack) -> None:
     doc = faulty.wait_stopped(task["task_id"], timeout=60)
     assert doc["task_status"] == 0, doc
     assert runs_of(faulty, task["task_id"]) == [(0, 0, 1), (1, 0, 1)]
+
+
+def test_worker_killed_between_the_handlers_end_and_the_commit_runs_the_step_again(
+    faulty: Stack, tmp_path: Path
+) -> None:
+    marker = tmp_path / f"killed-{time.time_ns()}"
+    task = faulty.submit("short", {"kill_worker_after": {"1": str(marker)}})
+    # Step 1 did its work, then its worker died before storing the outcome.
+    wait_for(lambda: marker.exists() and faulty.procs[BETA].poll() is not None, 30, "the worker to die")
+    faulty.respawn(BETA)
+    doc = faulty.wait_stopped(task["task_id"], timeout=60)
+    assert doc["task_status"] == 0, doc
+    attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
+    if faulty.env.get("ASYNCFLOW_RECORD_START_AFTER"):
+        # Its start was never recorded and its message never acknowledged: the broker
+        # delivered it again, the same attempt ran again (same idempotency key), and
+        # only the second run was recorded.
+        assert runs_of(faulty, task["task_id"]) == [(0, 0, 1), (1, 0, 1), (1, 0, 1)]
+        assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")]
+    else:
+        # Its start was recorded: the attempt expired at its deadline and ran again.
+        assert runs_of(faulty, task["task_id"]) == [(0, 0, 1), (1, 0, 1), (1, 0, 2)]
+        assert attempts == [(0, 1, "succeeded"), (1, 1, "expired"), (1, 2, "succeeded")]
 
 
 def test_replayed_message_is_acknowledged_and_ignored(faulty: Stack) -> None:

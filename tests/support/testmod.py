@@ -10,6 +10,9 @@ Parameters read (cursor = step index):
   hang_first: [cursors]        blocks on the first attempt only
   fail_if_exists: {"cursor": path}  fails while that file exists
   wait_for_file: {"cursor": path}   works until that file exists (an external job)
+  kill_worker_after: {"cursor": path}  once (while that file does not exist): does the work,
+                               creates the file, then SIGKILLs its worker process and itself,
+                               before the outcome can be stored
 Every execution is appended to the file named by $TESTMOD_JOURNAL, so tests can
 check what really ran, in which order, besides what the database says.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 from typing import Any
 
@@ -60,6 +64,11 @@ def _do(ctx: StepContext) -> dict[str, Any] | PollLater:
         raise RuntimeError(f"forced failure at step {ctx.cursor}")
     if ctx.attempt <= int(p.get("flaky", {}).get(key, 0)):
         raise RuntimeError(f"flaky failure, attempt {ctx.attempt}")
+    marker = p.get("kill_worker_after", {}).get(key)
+    if marker and not os.path.exists(marker):
+        open(marker, "w").close()  # noqa: SIM115 - the process is about to die
+        os.kill(os.getppid(), signal.SIGKILL)  # the worker's main process: nobody acknowledges
+        os.kill(os.getpid(), signal.SIGKILL)
     polls_wanted = int(p.get("poll", {}).get(key, 0))
     polled = int(p.get(f"polled_{key}", 0))
     if polled < polls_wanted:

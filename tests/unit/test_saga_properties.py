@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.flows import Action, Flow, StepDef
-from shared.saga import Cancel, Due, Expire, Failed, PollLater, Requeue, Started, Submit, Succeeded, decide
+from shared.saga import (
+    Cancel,
+    Decision,
+    Due,
+    Event,
+    Expire,
+    Failed,
+    PollLater,
+    Requeue,
+    Started,
+    Submit,
+    Succeeded,
+    Timing,
+)
+from shared.saga import decide as saga_decide
 from shared.states import STOPPED, Phase, StepState, StepType, TaskStatus
-from shared.task import new_task
+from shared.task import Task, new_task
 
 flows = st.lists(
     st.tuples(st.integers(0, 2), st.booleans(), st.integers(0, 2)), min_size=1, max_size=6
@@ -28,9 +43,22 @@ flows = st.lists(
 OUTCOMES = ["ok", "fail", "timeout", "poll", "duplicate", "cancel", "requeue", "expire"]
 
 
+# Starts recorded before each attempt, or (one commit per step) mostly with the outcome.
+TIMINGS = {"start-first": Timing(), "one-commit": Timing(start_recorded_within=16.0)}
+
+
+@pytest.mark.parametrize("mode", list(TIMINGS))
 @settings(max_examples=400, deadline=None)
 @given(flow=flows, data=st.data())
-def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(flow: Flow, data: st.DataObject) -> None:
+def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
+    mode: str, flow: Flow, data: st.DataObject
+) -> None:
+    timing = TIMINGS[mode]
+    one_commit = timing.start_recorded_within > 0
+
+    def decide(task: Task, event: Event, now: float) -> Decision:
+        return saga_decide(task, event, now, timing)
+
     now = 1000.0
     decision = decide(new_task("t", flow, {}, now), Submit(), now)
     task = decision.task
@@ -53,6 +81,12 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(flow:
         if outcome == "cancel":
             if task.status in (TaskStatus.PENDING, TaskStatus.RUNNING):
                 task = decide(task, Cancel(), now).task
+                if one_commit and active.phase is Phase.QUEUED and data.draw(st.booleans()):
+                    # A consumer was already running it without a recorded start: its
+                    # work is done, so its outcome must still lead to its compensation.
+                    task = decide(task, Succeeded(active.seq, started_at=now - 0.5), now).task
+                    completed.append(active.cursor)
+                    seen_seqs.append(active.seq)
             continue
         if outcome == "duplicate" and seen_seqs:
             # A replay of an old message never changes anything.
@@ -63,16 +97,22 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(flow:
             # The sweep re-publishes a queued message: same seq, still only one start.
             now = max(now, active.due_at)
             requeued = decide(task, Requeue(active.seq), now)
-            assert [m.seq for m in requeued.messages] == [active.seq]
+            if not (one_commit and task.cancel_requested and task.status is not TaskStatus.ROLLING_BACK):
+                assert [m.seq for m in requeued.messages] == [active.seq]
+            # else: a cancelled step nobody started in time never ran; the rollback begins.
             task = requeued.task
             continue
-        started = decide(task, Started(active.seq), now)
-        assert not started.ignored and not started.messages
-        task = started.task
+        start: float | None = None
+        if one_commit and outcome != "expire" and data.draw(st.booleans()):
+            start = now - 0.5  # the outcome records the start too
+        else:
+            started = decide(task, Started(active.seq), now)
+            assert not started.ignored and not started.messages
+            task = started.task
         seen_seqs.append(active.seq)
         if outcome == "poll" and polls < 5:
             polls += 1
-            task = decide(task, PollLater(active.seq, 2.0), now).task
+            task = decide(task, PollLater(active.seq, 2.0, started_at=start), now).task
             continue
         if outcome == "expire":
             now = max(now, task.active.due_at)
@@ -80,18 +120,19 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(flow:
             if active.type is StepType.NORMAL and result.task.status is TaskStatus.ROLLING_BACK:
                 failed_step = active.cursor
         elif outcome == "ok":
-            result = decide(task, Succeeded(active.seq, {f"r{active.cursor}": 1}), now)
+            result = decide(task, Succeeded(active.seq, {f"r{active.cursor}": 1}, started_at=start), now)
             if active.type is StepType.NORMAL:
                 completed.append(active.cursor)
             else:
                 compensated.append(active.cursor)
         else:
-            result = decide(task, Failed(active.seq, "x", timed_out=outcome == "timeout"), now)
+            result = decide(task, Failed(active.seq, "x", timed_out=outcome == "timeout", started_at=start), now)
             if active.type is StepType.NORMAL and result.task.status is TaskStatus.ROLLING_BACK:
                 failed_step = active.cursor
         task = result.task
         # Late duplicate of the message just finished: ignored.
         assert decide(task, Succeeded(active.seq), now).ignored
+        assert decide(task, Succeeded(active.seq, started_at=now), now).ignored
 
     assert task.status in STOPPED, f"not stopped after 500 events: {task.status}"
     assert task.active is None
@@ -112,6 +153,10 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(flow:
 
     # Nothing is emitted once stopped: every step event is stale.
     for seq in seen_seqs + [task.seq + 1]:
-        for event in (Started(seq), Succeeded(seq), Failed(seq, "late"), Due(seq), Requeue(seq), Expire(seq)):
+        late_events: tuple[Event, ...] = (
+            Started(seq), Succeeded(seq), Succeeded(seq, started_at=now), Failed(seq, "late", started_at=now),
+            Failed(seq, "late"), Due(seq), Requeue(seq), Expire(seq),
+        )
+        for event in late_events:
             late = decide(task, event, now)
             assert late.ignored and not late.messages and late.task is task
