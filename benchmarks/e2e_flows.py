@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import SPEC_REFERENCE, STOPPED, SUCCESS, analyse, dist_ms, print_report  # noqa: E402
+from figures import SPEC_REFERENCE, STOPPED, SUCCESS, analyse, dist_ms, pct, print_report  # noqa: E402
 from stack import Backend, SetupError, Stack, log, machine_cpu, machine_info, make_backend  # noqa: E402
 
 FLOW = "noop"
@@ -195,6 +195,25 @@ def fetch_docs(api: Api, task_ids: list[str]) -> list[dict[str, Any]]:
 # --- main ------------------------------------------------------------------------------------
 
 
+def print_result_line(args: argparse.Namespace, summary: dict[str, Any], docs: list[dict[str, Any]],
+                      status: int) -> None:
+    """The key figures as one ``RESULT {json}`` line, the same keys as celery_chain.py's."""
+    e2e = [(d["time_end"] - d["time_create"]) * 1000 for d in docs if d["task_status"] == SUCCESS]
+    r, c = summary["results"], summary["cpu"]
+    result = {
+        "bench": "asyncflow", "backend": args.backend, "mode": "rate" if args.rate else "burst",
+        "flows": args.flows, "rate": args.rate, "concurrency": args.concurrency, "clients": args.clients,
+        "succeeded": r["succeeded"], "submit_errors": summary["submit"]["errors"],
+        "timed_out": summary["timed_out"], "flows_per_s": r["flows_per_s"], "window_s": r["window_seconds"],
+        "submits_per_s": summary["submit"]["per_s"],
+        **{f"submit_done_p{p}_ms": round(v, 2) if (v := pct(e2e, p)) is not None else None for p in (50, 95, 99)},
+        "cpu_s": c["by_process"], "cpu_per_flow_ms": c["per_flow_ms"], "cpu_others_s": c["others_seconds"],
+        "machine_busy_pct": c["machine_busy_pct"], "loadavg_at_start": summary["machine"]["loadavg_at_start"],
+        "exit_status": status,
+    }
+    print("RESULT " + json.dumps(result, sort_keys=True), flush=True)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["embedded", "postgres-rabbitmq", "postgres-redis"], default="embedded")
@@ -312,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(summary, indent=2))
         else:
             print_report(summary)
+        status = 2 if timed_out else 1 if sub.errors or results["succeeded"] != args.flows else 0
+        print_result_line(args, summary, docs, status)
         if timed_out:
             keep = True
             return 2
