@@ -214,6 +214,21 @@ class TestTaskStoreContract:
         assert store.attempts(task.task_id) == [replace(finished, started_at=NOW + 1), rollback]
         assert store.attempts("other") == []
 
+    def test_a_whole_attempt_is_written_at_once_and_only_with_its_transition(self, store: TaskStore) -> None:
+        task, _ = store.create(submitted(), NOW)
+        whole = AttemptRecord(
+            task.task_id, 1, 0, StepType.NORMAL, 1, "resource", "check",
+            started_at=NOW + 1, ended_at=NOW + 2, outcome="succeeded",
+        )
+        assert store.save(replace(task, status=TaskStatus.RUNNING), NOW + 2, whole)
+        assert store.attempts(task.task_id) == [whole]
+        # A lost compare-and-set writes no attempt, neither an insert nor an update.
+        late = replace(whole, seq=2, started_at=NOW + 3)
+        assert store.save(replace(task, message="stale"), NOW + 3, late) is False
+        update_of_stale = replace(whole, started_at=None, outcome="failed", error="late")
+        assert store.save(replace(task, message="stale"), NOW + 3, update_of_stale) is False
+        assert store.attempts(task.task_id) == [whole]
+
     # --- list -----------------------------------------------------------------------------
 
     def test_list_is_newest_first_and_filters_by_flow_status_user_and_limit(self, store: TaskStore) -> None:
