@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, func, insert, literal, select, update
+from sqlalchemy import Connection, Engine, create_engine, select
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from shared.sqlite import read_only_options, sqlite_engine
@@ -27,6 +27,15 @@ from shared.storage.base import (
 )
 from shared.storage.codec import task_from_row, task_to_row
 from shared.storage.schema import attempts, metadata, tasks
+from shared.storage.statements import (
+    CREATE_TASK,
+    GET_TASK,
+    INSERT_ATTEMPT,
+    SAVE_IN_ONE_STATEMENT,
+    SAVE_TASK,
+    SAVED_COLUMNS,
+    UPDATE_ATTEMPT,
+)
 from shared.task import Task
 
 
@@ -75,7 +84,7 @@ class SqlStore(TaskStore):
         row = task_to_row(task, now) | {"version": 1}
         try:
             with self.transaction() as conn:
-                conn.execute(insert(tasks).values(**row))
+                conn.execute(CREATE_TASK, row)
             return task_from_row(row), True
         except IntegrityError:
             stored = self.get(task.task_id)
@@ -87,34 +96,18 @@ class SqlStore(TaskStore):
 
     def get(self, task_id: str) -> Task | None:
         with self.transaction(read_only=True) as conn:
-            row = conn.execute(select(tasks).where(tasks.c.task_id == task_id)).first()
+            row = conn.execute(GET_TASK, {"b_task_id": task_id}).first()
         return task_from_row(row) if row is not None else None
 
     def save(self, task: Task, now: float, attempt: AttemptRecord | None = None) -> bool:
-        row = task_to_row(task, now)
-        del row["task_id"], row["created_at"]
-        row["version"] = task.version + 1
         with self.transaction() as conn:
-            result = conn.execute(
-                update(tasks)
-                .where(tasks.c.task_id == task.task_id, tasks.c.version == task.version)
-                .values(**row)
-            )
-            if result.rowcount != 1:
+            if conn.execute(SAVE_TASK, _saved(task, now)).rowcount != 1:
                 return False
             if attempt is not None:
-                self._write_attempt(conn, attempt)
+                # A new attempt (its start, or all of it at once) or the outcome of a started one.
+                new = attempt.started_at is not None
+                conn.execute(INSERT_ATTEMPT if new else UPDATE_ATTEMPT, _attempt_params(attempt))
         return True
-
-    def _write_attempt(self, conn: Connection, a: AttemptRecord) -> None:
-        if a.started_at is not None:  # a new attempt (its start, or all of it at once)
-            conn.execute(insert(attempts).values(**_attempt_row(a)))
-            return
-        conn.execute(
-            update(attempts)
-            .where(attempts.c.task_id == a.task_id, attempts.c.seq == a.seq)
-            .values(ended_at=a.ended_at, outcome=a.outcome, error=a.error)
-        )
 
     def list(self, where: TaskFilter) -> list[Task]:
         query = select(tasks).order_by(tasks.c.created_at.desc()).limit(where.limit)
@@ -152,6 +145,18 @@ class SqlStore(TaskStore):
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def _saved(task: Task, now: float) -> dict[str, Any]:
+    """Parameters of SAVE_TASK: the new row, fenced by the version it was decided on."""
+    row = task_to_row(task, now) | {"version": task.version + 1}
+    params = {"t_" + name: row[name] for name in SAVED_COLUMNS}
+    params.update(b_task_id=task.task_id, b_version=task.version)
+    return params
+
+
+def _attempt_params(a: AttemptRecord) -> dict[str, Any]:
+    return {"a_" + name: value for name, value in _attempt_row(a).items()}
 
 
 def _attempt_row(a: AttemptRecord) -> dict[str, Any]:
@@ -195,38 +200,13 @@ class PostgresStore(SqlStore):
         return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=20)
 
     def save(self, task: Task, now: float, attempt: AttemptRecord | None = None) -> bool:
-        row = task_to_row(task, now)
-        del row["task_id"], row["created_at"]
-        row["version"] = task.version + 1
-        changed = (
-            update(tasks)
-            .where(tasks.c.task_id == task.task_id, tasks.c.version == task.version)
-            .values(**row)
-            .returning(tasks.c.task_id)
-            .cte("changed")
-        )
-        statement = select(func.count()).select_from(changed)
+        params = _saved(task, now)
+        kind = "none"
         if attempt is not None:
-            statement = statement.add_cte(_attempt_after(changed, attempt))
+            kind = "insert" if attempt.started_at is not None else "update"
+            params |= _attempt_params(attempt)
         with self.transaction(read_only=True) as conn:  # one statement: atomic without BEGIN
-            return conn.execute(statement).scalar_one() == 1
-
-
-def _attempt_after(changed: Any, a: AttemptRecord) -> Any:
-    """The attempt write that happens only if the task row in ``changed`` was updated."""
-    if a.started_at is not None:
-        row = _attempt_row(a)
-        values = [literal(row[c.name], c.type) for c in attempts.columns]
-        written: Any = insert(attempts).from_select(
-            [c.name for c in attempts.columns], select(*values).select_from(changed)
-        )
-    else:
-        written = (
-            update(attempts)
-            .where(attempts.c.task_id == changed.c.task_id, attempts.c.seq == a.seq)
-            .values(ended_at=a.ended_at, outcome=a.outcome, error=a.error)
-        )
-    return written.cte("attempt")
+            return bool(conn.execute(SAVE_IN_ONE_STATEMENT[kind], params).scalar_one() == 1)
 
 
 def open_store(url: str) -> SqlStore:

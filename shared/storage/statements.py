@@ -1,0 +1,65 @@
+"""The task store's hot statements, built once with bind parameters.
+
+Building a SQLAlchemy statement (``update(...).where(...).values(...)``) and
+computing its cache key costs more CPU than running it; the hot paths (read a
+task, store a transition, record an attempt) execute these with a dict of
+parameters instead. Parameters of the WHERE clauses are prefixed ``b_``, those
+of attempt rows ``a_``: plain column names are SQLAlchemy's for SET and VALUES.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import bindparam, func, insert, select, update
+
+from shared.storage.schema import attempts, tasks
+
+# Columns a transition writes: all but the key and the creation time.
+SAVED_COLUMNS = tuple(c.name for c in tasks.columns if c.name not in ("task_id", "created_at"))
+ATTEMPT_COLUMNS = tuple(c.name for c in attempts.columns)
+
+GET_TASK = select(tasks).where(tasks.c.task_id == bindparam("b_task_id"))
+CREATE_TASK = insert(tasks)
+
+SAVE_TASK = (
+    update(tasks)
+    .where(tasks.c.task_id == bindparam("b_task_id"), tasks.c.version == bindparam("b_version"))
+    .values({name: bindparam("t_" + name, type_=tasks.c[name].type) for name in SAVED_COLUMNS})
+)
+INSERT_ATTEMPT = insert(attempts).values(
+    {name: bindparam("a_" + name, type_=attempts.c[name].type) for name in ATTEMPT_COLUMNS}
+)
+_OUTCOME = {name: bindparam("a_" + name, type_=attempts.c[name].type) for name in ("ended_at", "outcome", "error")}
+UPDATE_ATTEMPT = (
+    update(attempts)
+    .where(attempts.c.task_id == bindparam("a_task_id"), attempts.c.seq == bindparam("a_seq"))
+    .values(_OUTCOME)
+)
+
+
+def _save_in_one_statement() -> dict[str, Any]:
+    """PostgreSQL: the transition and its attempt write as one statement.
+
+    The attempt write is a data-modifying CTE reading the updated task row, so it
+    runs only if the compare-and-set matched; the statement returns 1 or 0.
+    """
+    changed = SAVE_TASK.returning(tasks.c.task_id).cte("changed")
+    counted = select(func.count()).select_from(changed)
+    new_attempt = insert(attempts).from_select(
+        list(ATTEMPT_COLUMNS),
+        select(*(bindparam("a_" + c.name, type_=c.type) for c in attempts.columns)).select_from(changed),
+    )
+    outcome = (
+        update(attempts)
+        .where(attempts.c.task_id == changed.c.task_id, attempts.c.seq == bindparam("a_seq"))
+        .values(_OUTCOME)
+    )
+    return {
+        "none": counted,
+        "insert": counted.add_cte(new_attempt.cte("attempt")),
+        "update": counted.add_cte(outcome.cte("attempt")),
+    }
+
+
+SAVE_IN_ONE_STATEMENT = _save_in_one_statement()
