@@ -197,6 +197,10 @@ class CeleryPublisher:
                 # The soft limit interrupts the handler; the hard one kills its process.
                 soft_time_limit=message.timeout,
                 time_limit=message.timeout + self.grace,
+                # What Celery's logs show for the message: which step of which task. Celery
+                # would otherwise render the whole payload, Parameters included, per publish.
+                argsrepr=f"{message.task_id} step {message.cursor} seq {message.seq}",
+                kwargsrepr="",
             )
         except Exception:
             self._paused_until = time.monotonic() + self.PAUSE_AFTER_FAILURE

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import builtins
 import os
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, select
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy import Connection, Engine, create_engine, event, select
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, OperationalError
 
 from shared.sqlite import read_only_options, sqlite_engine
 from shared.states import Phase, StepType
@@ -197,7 +198,9 @@ class PostgresStore(SqlStore):
         # Connections are kept, not opened per burst: a new PostgreSQL connection costs
         # a backend process and several round trips, more than the statement it serves.
         # 20 covers the API's request threads; overflow connections are closed on return.
-        return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=20)
+        engine = create_engine(url, pool_size=20, max_overflow=20)
+        ping_idle_connections(engine, IDLE_BEFORE_PING)
+        return engine
 
     def save(self, task: Task, now: float, attempt: AttemptRecord | None = None) -> bool:
         params = _saved(task, now)
@@ -207,6 +210,38 @@ class PostgresStore(SqlStore):
             params |= _attempt_params(attempt)
         with self.transaction(read_only=True) as conn:  # one statement: atomic without BEGIN
             return bool(conn.execute(SAVE_IN_ONE_STATEMENT[kind], params).scalar_one() == 1)
+
+
+# A pooled connection unused for this long is pinged before use; one in steady use is not.
+IDLE_BEFORE_PING = 2.0
+
+
+def ping_idle_connections(engine: Engine, idle: float) -> None:
+    """Check a pooled connection before use only if it sat idle for ``idle`` seconds.
+
+    SQLAlchemy's pool_pre_ping costs a round trip on every checkout, as much as
+    the statement it guards. A connection in steady use proved itself moments
+    ago; one that sat idle may have been closed by a database restart, and is
+    replaced before anyone uses it. Under load, no checkout pays for a ping.
+    """
+
+    def idle_from(_dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    def alive(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("idle_since")
+        if since is None or time.monotonic() - since < idle:
+            return
+        try:
+            with dbapi_conn.cursor() as cursor:
+                cursor.execute("SELECT 1")
+            dbapi_conn.rollback()
+        except Exception as exc:
+            # The pool discards this connection and checks out another one.
+            raise DisconnectionError(f"pooled connection is dead: {exc}") from exc
+
+    event.listen(engine, "checkin", idle_from)
+    event.listen(engine, "checkout", alive)
 
 
 def open_store(url: str) -> SqlStore:
