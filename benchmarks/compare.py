@@ -54,15 +54,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="--timeout of each run (default 600)")
     p.add_argument("--pause", type=float, default=5, help="seconds between runs (default 5)")
     p.add_argument("--log-dir", type=Path, default=None, help="save each run's stdout here")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="also run Asyncflow with these settings in every round, e.g. "
+                        "one-commit:ASYNCFLOW_RECORD_START_AFTER=1 (repeatable)")
     args = p.parse_args(argv)
     if min(args.rounds, args.flows, args.rate_flows, args.concurrency, args.clients) < 1 or args.rate <= 0:
         p.error("--rounds, --flows, --rate, --rate-flows, --concurrency and --clients must be positive")
     return args
 
 
+def variants(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Extra Asyncflow sides: name -> KEY=VALUE settings for its processes."""
+    found = {}
+    for spec in args.variant:
+        name, _, settings = spec.partition(":")
+        if not name or name in SCRIPTS or not all("=" in kv for kv in settings.split(",")):
+            raise SystemExit(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
+        found[name] = settings.split(",")
+    return found
+
+
 def command(args: argparse.Namespace, side: str, mode: str) -> list[str]:
-    cmd = [sys.executable, str(SCRIPTS[side]), "--backend", args.backend,
+    extra = variants(args).get(side)
+    script = SCRIPTS["asyncflow"] if extra is not None else SCRIPTS[side]
+    cmd = [sys.executable, str(script), "--backend", args.backend,
            "--concurrency", str(args.concurrency), "--clients", str(args.clients), "--timeout", str(args.timeout)]
+    for kv in extra or []:
+        cmd += ["--env", kv]
     if mode == "burst":
         return [*cmd, "--flows", str(args.flows)]
     return [*cmd, "--rate", f"{args.rate:g}", "--flows", str(args.rate_flows)]
@@ -155,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    plan = [("asyncflow", "burst"), ("peer", "burst"), ("asyncflow", "rate"), ("peer", "rate")]
+    sides = ["asyncflow", *variants(args), "peer"]
+    plan = [(side, mode) for mode in ("burst", "rate") for side in sides]
     rounds: list[dict[tuple[str, str], dict[str, Any]]] = []
     interrupted = False
     try:
@@ -171,12 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         log("interrupted")
         interrupted = True
 
-    labels = {
-        ("asyncflow", "burst"): f"asyncflow burst {args.flows}",
-        ("peer", "burst"): f"celery chain burst {args.flows}",
-        ("asyncflow", "rate"): f"asyncflow {args.rate:g}/s x{args.rate_flows}",
-        ("peer", "rate"): f"celery chain {args.rate:g}/s x{args.rate_flows}",
-    }
+    def name(side: str) -> str:
+        return LABELS.get(side, f"asyncflow {side}")
+
+    labels = {(side, "burst"): f"{name(side)} burst {args.flows}" for side in sides}
+    labels |= {(side, "rate"): f"{name(side)} {args.rate:g}/s x{args.rate_flows}" for side in sides}
     print("=" * 101)
     print("Asyncflow vs a Celery chain (3 no-op steps; peer: one PostgreSQL UPDATE per step)")
     print("=" * 101)
@@ -213,18 +231,20 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(row(labels[key], merged, median([stack_cpu_ms(x) for x in rs])))
 
-    burst_af, burst_peer = med(("asyncflow", "burst"), "flows_per_s"), med(("peer", "burst"), "flows_per_s")
-    p50_af, p50_peer = med(("asyncflow", "rate"), "submit_done_p50_ms"), med(("peer", "rate"), "submit_done_p50_ms")
-    print()
-    print("ratio asyncflow / celery chain (medians; per round in brackets)")
-    per_round_burst = [ratio(r.get(("asyncflow", "burst"), {}).get("flows_per_s"),
-                             r.get(("peer", "burst"), {}).get("flows_per_s")) for r in rounds]
-    per_round_p50 = [ratio(r.get(("asyncflow", "rate"), {}).get("submit_done_p50_ms"),
-                           r.get(("peer", "rate"), {}).get("submit_done_p50_ms")) for r in rounds]
-    print(f"  {f'burst flows/s ({args.flows} flows)':<40}{ratio(burst_af, burst_peer):>6}  "
-          f"[{', '.join(per_round_burst)}]  (above 1: asyncflow faster)")
-    print(f"  {f'submit->done p50 at {args.rate:g} flows/s':<40}{ratio(p50_af, p50_peer):>6}  "
-          f"[{', '.join(per_round_p50)}]  (above 1: asyncflow slower)")
+    burst_peer, p50_peer = med(("peer", "burst"), "flows_per_s"), med(("peer", "rate"), "submit_done_p50_ms")
+    burst_af, p50_af = med(("asyncflow", "burst"), "flows_per_s"), med(("asyncflow", "rate"), "submit_done_p50_ms")
+    for side in sides[:-1]:
+        print()
+        print(f"ratio {name(side)} / celery chain (medians; per round in brackets)")
+        per_round_burst = [ratio(r.get((side, "burst"), {}).get("flows_per_s"),
+                                 r.get(("peer", "burst"), {}).get("flows_per_s")) for r in rounds]
+        per_round_p50 = [ratio(r.get((side, "rate"), {}).get("submit_done_p50_ms"),
+                               r.get(("peer", "rate"), {}).get("submit_done_p50_ms")) for r in rounds]
+        burst_side, p50_side = med((side, "burst"), "flows_per_s"), med((side, "rate"), "submit_done_p50_ms")
+        print(f"  {f'burst flows/s ({args.flows} flows)':<40}{ratio(burst_side, burst_peer):>6}  "
+              f"[{', '.join(per_round_burst)}]  (above 1: asyncflow faster)")
+        print(f"  {f'submit->done p50 at {args.rate:g} flows/s':<40}{ratio(p50_side, p50_peer):>6}  "
+              f"[{', '.join(per_round_p50)}]  (above 1: asyncflow slower)")
 
     failed = [(k, key) for k, r in enumerate(rounds, 1) for key in r if r[key].get("returncode") != 0]
     for k, key in failed:
