@@ -21,7 +21,7 @@ from shared.module import Handler, Module, ModuleError, PermanentError, PollLate
 from shared.saga import Failed, Started, Succeeded, stale
 from shared.saga import PollLater as PollLaterEvent
 from shared.service import TaskNotFound, TaskService
-from shared.states import StepType
+from shared.states import Phase, StepType
 from shared.storage import StorageUnavailable, patiently
 from shared.task import Alarm, StepMessage, Task
 
@@ -71,11 +71,15 @@ class StepConsumer:
             log.warning("step message for an unknown task dropped", extra=log_extra)
             return
         reason = stale(task, Started(message.seq), self.service.clock())
+        if reason is None and self.settings.record_start_after <= 0:
+            decision = self.service.apply(message.task_id, Started(message.seq), known=task)
+            reason, task = decision.ignored, decision.task  # ignored: another delivery started it first
         if reason:
             metrics.STALE.labels(message.module).inc()
             log.info("stale step message ignored: %s", reason, extra=log_extra)
             return
-        if task.cancel_requested and message.type is StepType.NORMAL:
+        assert task.active is not None
+        if task.cancel_requested and message.type is StepType.NORMAL and task.active.phase is Phase.QUEUED:
             # Cancelled before it started: the requeue sweep compensates what ran before it.
             log.info("step not started: its task is being cancelled", extra=log_extra)
             return
@@ -85,8 +89,6 @@ class StepConsumer:
             record_start = threading.Timer(self.settings.record_start_after, self._record_start, (message,))
             record_start.daemon = True
             record_start.start()
-        else:
-            task = self.service.apply(message.task_id, Started(message.seq), known=task).task
         try:
             event = self._attempt(message, task)
         finally:

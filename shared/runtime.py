@@ -16,9 +16,8 @@ from shared.messaging import CeleryPublisher, call_with_time_limit, make_celery,
 from shared.module import Module
 from shared.pull.service import PullService
 from shared.pull.steps import RoutingPublisher, StepLeases, StepQueue
-from shared.saga import Timing
 from shared.scheduler import Scheduler
-from shared.service import Publisher, TaskService
+from shared.service import Publisher, TaskService, timing_of
 from shared.storage import InMemoryPullStore, InMemoryStore, PullStore, SqlStore, TaskStore, open_store
 from shared.storage.sql_pull import SqlPullStore
 
@@ -73,8 +72,7 @@ class Runtime:
         pull_modules = self.flows.pull_modules()
         if pull_modules:
             publisher = RoutingPublisher(publisher, StepQueue(self.pull_store, pull_modules, s.expire_grace, self.clock))
-        start_recorded_within = s.record_start_after + s.expire_grace if s.record_start_after > 0 else 0.0
-        timing = Timing(s.requeue_after, s.expire_grace, s.publish_retry, start_recorded_within)
+        timing = timing_of(s)
         return TaskService(self.store, publisher, self.flows, clock=self.clock, timing=timing)
 
     @cached_property

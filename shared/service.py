@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from shared import metrics
+from shared.config import Settings
 from shared.flows import FlowSet
 from shared.saga import (
     DEFAULT_TIMING,
@@ -38,6 +39,13 @@ from shared.task import Alarm, StepMessage, Task, new_task
 from shared.transition import compare_and_set
 
 log = logging.getLogger(__name__)
+
+
+def timing_of(settings: Settings) -> Timing:
+    """The saga's time bounds from the settings; every process must agree on them."""
+    s = settings
+    start_recorded_within = s.record_start_after + s.expire_grace if s.record_start_after > 0 else 0.0
+    return Timing(s.requeue_after, s.expire_grace, s.publish_retry, start_recorded_within)
 
 
 class ServiceError(Exception):

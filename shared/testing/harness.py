@@ -16,7 +16,7 @@ from shared.consumer import StepConsumer
 from shared.flows import FlowSet
 from shared.module import Module
 from shared.scheduler import sweep_tasks
-from shared.service import TaskService
+from shared.service import TaskService, timing_of
 from shared.storage import InMemoryStore, TaskStore
 from shared.task import StepMessage
 from shared.testing.clock import ManualClock
@@ -31,13 +31,12 @@ class Harness:
         store: TaskStore | None = None,
         settings: Settings | None = None,
     ) -> None:
+        settings = settings or Settings(home=Path(".asyncflow-test"))
         self.clock = ManualClock()
         self.store = store or InMemoryStore()
         self.publisher = QueuePublisher()
-        self.service = TaskService(self.store, self.publisher, flows, clock=self.clock)
-        self.consumer = StepConsumer(
-            self.service, modules, settings or Settings(home=Path(".asyncflow-test")), clock=self.clock
-        )
+        self.service = TaskService(self.store, self.publisher, flows, clock=self.clock, timing=timing_of(settings))
+        self.consumer = StepConsumer(self.service, modules, settings, clock=self.clock)
         self.delivered: list[StepMessage] = []
 
     def run(self, max_messages: int = 10_000) -> None:

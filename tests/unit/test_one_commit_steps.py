@@ -191,3 +191,22 @@ def test_a_failing_quick_step_is_retried_and_compensated_with_one_commit_each(tm
     ]
     written = [a for a in store.commits if a is not None]  # the others are the scheduler's (the retry's due time)
     assert len(written) == 5 and all(a.started_at is not None and a.outcome is not None for a in written)
+
+
+def test_a_cancel_while_a_quick_step_runs_compensates_it_and_the_steps_before(tmp_path: Path) -> None:
+    ran: list[tuple[int, int]] = []
+
+    def step(ctx: StepContext) -> dict[str, Any]:
+        ran.append((ctx.cursor, ctx.step_type))
+        if ctx.cursor == 1 and ctx.step_type == 0:
+            h.service.operate(ctx.task_id, Cancel())  # the operator cancels while it runs
+        return {}
+
+    h, _ = harness(tmp_path, step, record_start_after=5.0)
+    for i in range(3):
+        h.consumer.modules["m"].commands[f"undo{i}"] = step
+    task, _ = h.service.submit("f", {})
+    h.run()
+    done = h.service.get(task.task_id)
+    assert done.status is TaskStatus.CANCELLED
+    assert ran == [(0, 0), (1, 0), (1, 1), (0, 1)]  # step 1 ran, so it is compensated too
