@@ -274,50 +274,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Stack:
-    def __init__(
-        self, home: Path, backend: Backend, concurrency: int, log_level: str | None,
-        extra_env: dict[str, str] | None = None,
-    ) -> None:
+class Processes:
+    """Named subprocesses, each in a process group and session of its own, logging to ``home/<name>.log``."""
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:
         self.home = home
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCFLOW_") and k != "TESTMOD_JOURNAL"}
-        env.update(
-            ASYNCFLOW_FLOWS=str(FLOWS_FILE),
-            ASYNCFLOW_HOME=str(home),
-            ASYNCFLOW_ALERT_COMMAND="",
-            ASYNCFLOW_API_PORT=str(self.port),
-            ASYNCFLOW_API_URL=self.url,
-            PYTHONPATH=os.pathsep.join([str(SUPPORT), str(REPO)]),
-        )
-        if log_level:
-            env["ASYNCFLOW_LOG_LEVEL"] = log_level
-        env.update(backend.env)
-        env.update(extra_env or {})
         self.env = env
-        self.concurrency = concurrency
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self) -> None:
-        done = subprocess.run(
-            [sys.executable, "-m", "asyncflow", "db", "upgrade"],
-            env=self.env, cwd=self.home, capture_output=True, text=True, timeout=180,
-        )
-        if done.returncode != 0:
-            raise SetupError(f"asyncflow db upgrade failed:\n{done.stdout}\n{done.stderr}")
-        self.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
-        self.spawn("api", "api", "--port", str(self.port))
-        self.spawn("scheduler", "scheduler")
-        self.spawn("worker", "worker", *MODULES, "-c", str(self.concurrency))
-
-    def spawn(self, key: str, *args: str) -> None:
+    def launch(self, key: str, argv: list[str]) -> None:
         out = open(self.home / f"{key}.log", "ab")  # noqa: SIM115 - handed to the child
         try:
             self.procs[key] = subprocess.Popen(
-                [sys.executable, "-m", "asyncflow", *args],
-                env=self.env, cwd=self.home, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: the worker's pool goes with it
+                argv, env=self.env, cwd=self.home, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: a worker's pool goes with it
             )
         finally:
             out.close()
@@ -331,24 +301,16 @@ class Stack:
         path = self.home / f"{key}.log"
         return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
 
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            self.check_alive()
-            try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SetupError(f"API not healthy after {timeout:g}s; log:\n{self.tail('api')}")
-            time.sleep(0.1)
+    def log_exited(self) -> None:
+        for key, proc in self.procs.items():
+            if proc.poll() is not None:
+                log(f"{key} exited with {proc.returncode}; log tail:\n{self.tail(key, 1500)}")
 
     def cpu(self) -> dict[str, float]:
         return {key: _session_cpu(proc.pid) for key, proc in self.procs.items()}
 
     def stop(self, timeout: float = 20) -> None:
-        # SIGTERM to each main process only: the Celery worker then stops its own pool.
+        # SIGTERM to each main process only: a Celery worker then stops its own pool.
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -365,3 +327,55 @@ class Stack:
                 pass
             if proc.poll() is None:
                 proc.wait(timeout=10)
+
+
+class Stack(Processes):
+    def __init__(
+        self, home: Path, backend: Backend, concurrency: int, log_level: str | None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCFLOW_") and k != "TESTMOD_JOURNAL"}
+        env.update(
+            ASYNCFLOW_FLOWS=str(FLOWS_FILE),
+            ASYNCFLOW_HOME=str(home),
+            ASYNCFLOW_ALERT_COMMAND="",
+            ASYNCFLOW_API_PORT=str(self.port),
+            ASYNCFLOW_API_URL=self.url,
+            PYTHONPATH=os.pathsep.join([str(SUPPORT), str(REPO)]),
+        )
+        if log_level:
+            env["ASYNCFLOW_LOG_LEVEL"] = log_level
+        env.update(backend.env)
+        env.update(extra_env or {})
+        super().__init__(home, env)
+        self.concurrency = concurrency
+
+    def start(self) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "asyncflow", "db", "upgrade"],
+            env=self.env, cwd=self.home, capture_output=True, text=True, timeout=180,
+        )
+        if done.returncode != 0:
+            raise SetupError(f"asyncflow db upgrade failed:\n{done.stdout}\n{done.stderr}")
+        self.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
+        self.spawn("api", "api", "--port", str(self.port))
+        self.spawn("scheduler", "scheduler")
+        self.spawn("worker", "worker", *MODULES, "-c", str(self.concurrency))
+
+    def spawn(self, key: str, *args: str) -> None:
+        self.launch(key, [sys.executable, "-m", "asyncflow", *args])
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            try:
+                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise SetupError(f"API not healthy after {timeout:g}s; log:\n{self.tail('api')}")
+            time.sleep(0.1)
