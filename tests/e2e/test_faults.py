@@ -167,7 +167,9 @@ def test_sigterm_lets_the_running_attempt_finish(faulty: Stack, tmp_path: Path) 
 
 
 def test_sigterm_gives_up_on_a_stuck_attempt_after_the_grace(faulty: Stack) -> None:
-    task = faulty.submit("short", {"hang_first": [1]})
+    # Step 1 of "three" has a 20 s timeout: only the 3 s shutdown grace can end the stuck attempt
+    # (with "short", its 3 s timeout raced the grace and sometimes won under load).
+    task = faulty.submit("three", {"hang_first": [1]})
     started(faulty, task["task_id"], 1)
     stopping = time.monotonic()
     faulty.kill(BETA, signal.SIGTERM, group=False)
