@@ -57,15 +57,19 @@ class SqlStore(TaskStore):
     def _make_engine(self, url: str) -> Engine:
         return create_engine(url, pool_pre_ping=True)
 
-    # Execution options of read-only transactions.
-    read_options: dict[str, Any] = read_only_options()
+    # Dialects where a read, one statement, needs no BEGIN and COMMIT around it.
+    reads_autocommit = False
 
     @contextmanager
-    def transaction(self, read_only: bool = False) -> Iterator[Connection]:
+    def transaction(self, read_only: bool = False, autocommit: bool = False) -> Iterator[Connection]:
+        """A connection in a transaction, or in autocommit for a caller that runs one statement."""
+        options: dict[str, Any] = read_only_options() if read_only else {}
+        if autocommit or (read_only and self.reads_autocommit):
+            options["isolation_level"] = "AUTOCOMMIT"
         try:
             with self.engine.connect() as conn:
-                if read_only:
-                    conn = conn.execution_options(**self.read_options)
+                if options:
+                    conn = conn.execution_options(**options)
                 with conn.begin():
                     yield conn
         except IntegrityError:
@@ -192,7 +196,7 @@ class PostgresStore(SqlStore):
     compare-and-set matched. Round trips, not CPU, are what a step costs here.
     """
 
-    read_options = {**read_only_options(), "isolation_level": "AUTOCOMMIT"}
+    reads_autocommit = True
 
     def _make_engine(self, url: str) -> Engine:
         # Connections are kept, not opened per burst: a new PostgreSQL connection costs
@@ -208,7 +212,7 @@ class PostgresStore(SqlStore):
         if attempt is not None:
             kind = "insert" if attempt.started_at is not None else "update"
             params |= _attempt_params(attempt)
-        with self.transaction(read_only=True) as conn:  # one statement: atomic without BEGIN
+        with self.transaction(autocommit=True) as conn:  # one statement: atomic on its own
             return bool(conn.execute(SAVE_IN_ONE_STATEMENT[kind], params).scalar_one() == 1)
 
 
