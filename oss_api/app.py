@@ -16,6 +16,7 @@ from oss_api import errors
 from oss_api.auth import CallerDep, caller, list_user, load_keys, log_mode, submit_user, visible_task
 from oss_api.errors import MalformedBody, RequestTooLarge
 from oss_api.limits import BodyLimit
+from oss_api.schedules import schedule_routes
 from oss_api.schemas import SubmitRequest, TaskDocument, TaskList, UserId
 from oss_api.v1 import v1_routes
 from shared.config import load_settings
@@ -49,6 +50,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(_task_routes(runtime))
     app.include_router(v1_routes(runtime))
+    app.include_router(schedule_routes(runtime))
 
     @app.get("/healthz", tags=["operations"])
     def healthz() -> dict[str, str]:

@@ -47,7 +47,8 @@ def _body(
 def install(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        return _body(exc.status_code, str(exc), headers=getattr(exc, "headers", None))
+        detail = getattr(exc, "detail", None)
+        return _body(exc.status_code, str(exc), detail, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -63,6 +63,15 @@ class Settings(BaseSettings):
     shutdown_grace: float = 30.0
     # "module.command" that receives alarms (rollback failed); empty = log only.
     alert_command: str = "monitor.report_event"
+    # Schedules (SPEC §9): one scheduler leads while it renews its lease; another takes
+    # over within scheduler_lease_ttl of its death. Schedules due within
+    # schedule_load_ahead are held in the leader's memory.
+    scheduler_lease_ttl: float = Field(default=5.0, gt=0)
+    schedule_load_ahead: float = Field(default=60.0, gt=0)
+    # Run records older than this many days are deleted (0: kept), with the ended
+    # tasks they created if schedule_runs_delete_tasks (seed 002 §4.6: six months).
+    schedule_runs_keep_days: float = Field(default=180.0, ge=0)
+    schedule_runs_delete_tasks: bool = False
     # Poll interval of the embedded (SQLite) broker.
     embedded_poll_interval: float = 0.05
     migrate_on_start: bool = True

@@ -24,3 +24,11 @@ V1_REPORTED = Counter("asyncflow_v1_reports_total", "set_task calls accepted, by
 V1_FINISHED = Counter(
     "asyncflow_v1_tasks_finished_total", "v1 tasks ended by a set_task (3 success, 4 failed)", ["task_type", "status"]
 )
+
+# Schedules: every firing by what became of it, and how late the fired ones were.
+SCHEDULE_RUNS = Counter("asyncflow_schedule_runs_total", "Schedule firings recorded, by state", ["state"])
+SCHEDULE_LATENESS = Histogram(
+    "asyncflow_schedule_lateness_seconds",
+    "Fire time minus the scheduled time (plus its jitter) of fired runs",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 300),
+)

@@ -16,10 +16,14 @@ from shared.messaging import CeleryPublisher, call_with_time_limit, make_celery,
 from shared.module import Module
 from shared.pull.service import PullService
 from shared.pull.steps import RoutingPublisher, StepLeases, StepQueue
-from shared.scheduler import Scheduler
+from shared.scheduler import Cadence, Scheduler
+from shared.schedules.service import ScheduleService
 from shared.service import Publisher, TaskService, timing_of
 from shared.storage import InMemoryPullStore, InMemoryStore, PullStore, SqlStore, TaskStore, open_store
+from shared.storage.base import ScheduleStore
+from shared.storage.memory import InMemoryScheduleStore
 from shared.storage.sql_pull import SqlPullStore
+from shared.storage.sql_schedules import SqlScheduleStore
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +100,30 @@ class Runtime:
         return self.flows.check_commands(only=names)
 
     @cached_property
+    def schedule_store(self) -> ScheduleStore:
+        """Schedules live in the same database as the tasks they create."""
+        if isinstance(self.store, SqlStore):
+            return SqlScheduleStore(self.store)
+        pull = self.pull_store
+        if isinstance(self.store, InMemoryStore) and isinstance(pull, InMemoryPullStore):
+            return InMemoryScheduleStore(self.store, pull)
+        raise RuntimeError(f"no schedule storage goes with {type(self.store).__name__}")
+
+    @cached_property
+    def schedules(self) -> ScheduleService:
+        return ScheduleService(self.schedule_store, self.service, self.pull_service, self.clock)
+
+    @cached_property
     def scheduler(self) -> Scheduler:
-        return Scheduler(self.service, self.pull_service, self.settings.scheduler_tick, self.clock)
+        s = self.settings
+        cadence = Cadence(
+            sweep=s.scheduler_tick,
+            lease_ttl=s.scheduler_lease_ttl,
+            load_ahead=s.schedule_load_ahead,
+            retention=s.schedule_runs_keep_days * 86400.0,
+            retention_tasks=s.schedule_runs_delete_tasks,
+        )
+        return Scheduler(self.service, self.pull_service, self.schedules, cadence, self.clock)
 
     def consumer(self, names: list[str]) -> StepConsumer:
         """The step consumer of a worker serving ``names``, with its Celery tasks registered."""

@@ -96,19 +96,34 @@ class TaskService:
         task_id: str | None = None,
     ) -> tuple[Task, bool]:
         """Store a new task and dispatch its first step; a known task_id returns the stored task."""
+        decision = self.prepare(flow_name, parameters, priority, user_id, task_id or uuid.uuid4().hex)
+        stored, created = self.store.create(decision.task, self.clock())
+        if created:
+            self.dispatch(decision)
+        return stored, created
+
+    def prepare(
+        self,
+        flow_name: str,
+        parameters: Mapping[str, Any],
+        priority: int,
+        user_id: str | None,
+        task_id: str,
+    ) -> Decision:
+        """A new task and its first message, not stored: the caller stores it, then calls :meth:`dispatch`."""
         flow = self.flows.get(flow_name)
         if flow is None:
             known = ", ".join(sorted(self.flows.flows)) or "none"
             raise UnknownFlow(f"unknown flow {flow_name!r} (known flows: {known})")
         now = self.clock()
-        task = new_task(task_id or uuid.uuid4().hex, flow, parameters, now, priority, user_id)
-        decision = decide(task, Submit(), now, self.timing)
-        stored, created = self.store.create(decision.task, now)
-        if created:
-            metrics.SUBMITTED.labels(flow.name).inc()
-            log.info("task submitted", extra={"task_id": stored.task_id, "flow": flow.name})
-            self._publish(decision)
-        return stored, created
+        task = new_task(task_id, flow, parameters, now, priority, user_id)
+        return decide(task, Submit(), now, self.timing)
+
+    def dispatch(self, decision: Decision) -> None:
+        """Publish the first message of a task :meth:`prepare` made, once it is stored."""
+        metrics.SUBMITTED.labels(decision.task.flow).inc()
+        log.info("task submitted", extra={"task_id": decision.task.task_id, "flow": decision.task.flow})
+        self._publish(decision)
 
     # --- transitions ---------------------------------------------------------
 

@@ -1,18 +1,50 @@
-"""``asyncflow scheduler``: the sweeps, over and over, until told to stop."""
+"""``asyncflow scheduler``: one leader fires schedules and runs the sweeps; the others stand by.
+
+Leadership is a lease row in the database (:meth:`ScheduleStore.acquire`), renewed
+every third of its time to live. A scheduler killed with SIGKILL stops renewing,
+and another takes over once the lease expires. Firings are fenced twice: by the
+lease's epoch and by each schedule's version, so a deposed leader that wakes up
+late cannot fire anything the new one fired.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from shared.pull.service import PullService
 from shared.scheduler.sweeps import sweep_leases, sweep_tasks
+from shared.schedules.service import ScheduleService
+from shared.schedules.timetable import Timetable
 from shared.service import TaskService
 from shared.storage import StorageUnavailable
+from shared.storage.base import Lease, NotLeader
 
 log = logging.getLogger(__name__)
+
+LEADER = "scheduler"
+FIRE_BATCH = 500
+# A user's change is read back this much earlier than the latest one seen, for
+# transactions that commit out of order and API hosts whose clocks lag a little.
+CHANGE_SKEW = 1.0
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """How often the leader does what (seconds)."""
+
+    sweep: float = 0.2  # governance sweeps (retries due, requeues, expiries)
+    lease_ttl: float = 5.0  # a dead leader is replaced within this
+    load_ahead: float = 60.0  # schedules due within this are held in memory
+    changes: float = 0.2  # users' changes are picked up within this
+    retention: float = 0.0  # runs older than this are deleted (0: kept)
+    retention_tasks: bool = False  # with the ended tasks they created
 
 
 class Scheduler:
@@ -20,13 +52,21 @@ class Scheduler:
         self,
         service: TaskService,
         pull: PullService,
-        tick: float,
+        schedules: ScheduleService,
+        cadence: Cadence = Cadence(),
         clock: Callable[[], float] = time.time,
+        owner: str | None = None,
     ) -> None:
         self.service = service
         self.pull = pull
-        self.tick_seconds = tick
+        self.schedules = schedules
+        self.cadence = cadence
         self.clock = clock
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.lease: Lease | None = None
+        self.timetable = Timetable()
+        self._due = {"renew": 0.0, "load": 0.0, "changes": 0.0, "sweep": 0.0, "purge": 0.0}
+        self._changes_seen = 0.0
 
     def tick(self) -> int:
         """One pass of every sweep; returns how many records changed."""
@@ -34,17 +74,100 @@ class Scheduler:
         return sweep_tasks(self.service, now) + sweep_leases(self.pull, now)
 
     def run(self, stop: threading.Event) -> None:
-        """Sweep until ``stop`` is set; straight on while there is work, else every tick."""
-        log.info("scheduler started, tick %.3fs", self.tick_seconds)
-        while not stop.is_set():
-            try:
-                changed = self.tick()
-            except StorageUnavailable as exc:
-                log.warning("sweep skipped, database unavailable: %s", exc)
-                changed = 0
-            except Exception:
-                # A bug in one task must not stop the timers of all the others.
-                log.exception("sweep failed")
-                changed = 0
-            if not changed:
-                stop.wait(self.tick_seconds)
+        """Lead or stand by until ``stop`` is set; on a clean stop, hand the lease over."""
+        log.info("scheduler %s started", self.owner)
+        try:
+            while not stop.is_set():
+                try:
+                    wait = self.step()
+                except StorageUnavailable as exc:
+                    log.warning("scheduler: database unavailable: %s", exc)
+                    wait = self.cadence.sweep
+                except NotLeader as exc:
+                    log.warning("scheduler: lost the lead: %s", exc)
+                    self._stand_by()
+                    wait = 0.0
+                except Exception:
+                    # A bug in one schedule or task must not stop the timers of all the others.
+                    log.exception("scheduler pass failed")
+                    wait = self.cadence.sweep
+                stop.wait(max(0.0, wait))
+        finally:
+            if self.lease is not None:
+                try:
+                    self.schedules.store.release(self.lease)
+                except Exception:
+                    log.exception("could not release the scheduler lease")
+
+    def step(self) -> float:
+        """Whatever is due now; returns how long to sleep before the next thing is."""
+        now = self.clock()
+        c = self.cadence
+        if now >= self._due["renew"]:
+            self._renew(now)
+        if self.lease is None:
+            return self._due["renew"] - now
+        if now >= self._due["load"]:
+            for s in self.schedules.store.due(now + c.load_ahead, 100_000):
+                self.timetable.put(s, now)
+            self._due["load"] = now + c.load_ahead / 2
+        if now >= self._due["changes"]:
+            self._read_changes(now)
+            self._due["changes"] = now + c.changes
+        self._fire(now)
+        if now >= self._due["sweep"]:
+            if self.tick():
+                self._due["sweep"] = now  # more may be due right away
+            else:
+                self._due["sweep"] = now + c.sweep
+        if c.retention > 0 and now >= self._due["purge"]:
+            self._purge(now)
+        wake = min(self._due[k] for k in ("renew", "load", "changes", "sweep"))
+        following = self.timetable.next_at()
+        if following is not None:
+            wake = min(wake, following)
+        return wake - self.clock()
+
+    def _renew(self, now: float) -> None:
+        c = self.cadence
+        lease = self.schedules.store.acquire(LEADER, self.owner, c.lease_ttl, now)
+        self._due["renew"] = now + c.lease_ttl / 3
+        if lease is None:
+            if self.lease is not None:
+                log.warning("scheduler %s: another scheduler leads now", self.owner)
+                self._stand_by()
+            return
+        if self.lease is None or lease.epoch != self.lease.epoch:
+            log.info("scheduler %s leads (epoch %d)", self.owner, lease.epoch)
+            self.timetable.clear()
+            self._due.update(load=now, changes=now, sweep=now)
+            self._changes_seen = now - c.load_ahead
+        self.lease = lease
+
+    def _stand_by(self) -> None:
+        self.lease = None
+        self.timetable.clear()
+        self._due["renew"] = self.clock() + self.cadence.lease_ttl / 3
+
+    def _read_changes(self, now: float) -> None:
+        for s in self.schedules.store.changed_since(self._changes_seen - CHANGE_SKEW, 10_000):
+            self.timetable.put(s, now)
+            self._changes_seen = max(self._changes_seen, s.updated_at)
+
+    def _fire(self, now: float) -> None:
+        while due := self.timetable.pop_due(now, FIRE_BATCH):
+            for s in self.schedules.fire_due(due, self.lease):
+                # Not before a moment from now: one that had nothing to do yet is not
+                # tried again in a loop.
+                self.timetable.put(s, now, not_before=now + 0.001)
+            now = self.clock()
+
+    def _purge(self, now: float) -> None:
+        """Delete old runs in batches, for at most a tenth of a second, so firing is not held up."""
+        c = self.cadence
+        deadline = time.monotonic() + 0.1
+        while time.monotonic() < deadline:
+            if self.schedules.store.purge(now - c.retention, 1000, c.retention_tasks) < 1000:
+                self._due["purge"] = now + 60.0
+                return
+        self._due["purge"] = now + 1.0

@@ -6,12 +6,13 @@ import abc
 import builtins
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from shared.pull.rules import PullTask, TaskType
 from shared.retry import reconnect_delay
+from shared.schedules.model import Run, Schedule
 from shared.states import Phase, StepType, TaskStatus
 from shared.task import Task
 
@@ -197,3 +198,98 @@ class PullStore(abc.ABC):
     @abc.abstractmethod
     def due(self, now: float, limit: int) -> builtins.list[PullTask]:
         """Running tasks whose lease ended by ``now``, oldest lease first."""
+
+
+class NotLeader(StorageError):
+    """The lease a write was fenced by is no longer held: nothing was written."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Leadership of ``name`` (one scheduler fires): held by ``owner`` until ``expires_at``."""
+
+    name: str
+    owner: str
+    epoch: int  # grows with every new owner; writes fenced by an older epoch are refused
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class Firing:
+    """A schedule's new state, its new run records and the tasks they create: all or nothing.
+
+    Written only if the stored schedule still has ``schedule.version``; ``promoted``
+    are buffered runs that now fire (their records change instead of being added).
+    """
+
+    schedule: Schedule
+    runs: tuple[Run, ...]
+    promoted: frozenset[float] = frozenset()
+    tasks: tuple[Task, ...] = ()
+    pull_tasks: tuple[PullTask, ...] = ()
+
+
+class ScheduleStore(abc.ABC):
+    """Schedules, their runs and the leader lease. Every change is a compare-and-set on ``version``."""
+
+    @abc.abstractmethod
+    def add(self, schedule: Schedule) -> tuple[Schedule, bool]:
+        """Insert ``schedule``; an existing id returns (stored schedule, False)."""
+
+    @abc.abstractmethod
+    def get(self, schedule_id: str) -> Schedule | None: ...
+
+    @abc.abstractmethod
+    def list(self, limit: int, after: str | None = None) -> list[Schedule]:
+        """By id, those after ``after``."""
+
+    @abc.abstractmethod
+    def save(self, schedule: Schedule, changed: bool = True) -> bool:
+        """Store ``schedule`` if the stored version is still ``schedule.version``.
+
+        ``changed``: a user's change (definition, pause, resume), which the leader
+        picks up from :meth:`changed_since`.
+        """
+
+    @abc.abstractmethod
+    def delete(self, schedule_id: str) -> bool:
+        """Remove the schedule and its runs; False if there was none."""
+
+    @abc.abstractmethod
+    def due(self, until: float, limit: int) -> builtins.list[Schedule]:
+        """Schedules to act on by ``until`` (not paused, with a next firing), soonest first."""
+
+    @abc.abstractmethod
+    def changed_since(self, since: float, limit: int) -> builtins.list[Schedule]:
+        """Schedules users changed at or after ``since`` (paused ones included)."""
+
+    @abc.abstractmethod
+    def fire(self, firings: Iterable[Firing], lease: Lease | None, now: float) -> builtins.list[bool]:
+        """Write each firing whose compare-and-set holds, in one transaction; per firing, whether it did.
+
+        ``lease``: refuse everything (:class:`NotLeader`) unless it is still held.
+        """
+
+    @abc.abstractmethod
+    def runs(self, schedule_id: str, limit: int, before: float | None = None) -> builtins.list[Run]:
+        """Newest scheduled time first, those before ``before``."""
+
+    @abc.abstractmethod
+    def run_times(self, schedule_id: str, start: float, end: float) -> set[float]:
+        """Scheduled times in [start, end] that already have a run."""
+
+    @abc.abstractmethod
+    def task_status(self, task_ids: Iterable[str]) -> dict[str, str]:
+        """Status label of each existing task, flow (``TaskStatus``) or v1 (``PullStatus``)."""
+
+    @abc.abstractmethod
+    def acquire(self, name: str, owner: str, ttl: float, now: float) -> Lease | None:
+        """Renew ``owner``'s lease, or take it over once expired; None while another holds it."""
+
+    @abc.abstractmethod
+    def release(self, lease: Lease) -> None:
+        """Give the lease up (on a clean stop), so another scheduler takes over at once."""
+
+    @abc.abstractmethod
+    def purge(self, before: float, limit: int, tasks: bool) -> int:
+        """Delete up to ``limit`` runs scheduled before ``before`` (and their ended tasks if ``tasks``)."""

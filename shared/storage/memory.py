@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import builtins
 import threading
+from collections.abc import Iterable
 from dataclasses import replace
 
 from shared.pull.rules import PullStatus, PullTask, TaskType
+from shared.schedules.model import Run, Schedule
+from shared.schedules.timetable import wake_at
 from shared.states import Phase
 from shared.storage.base import (
     AttemptRecord,
+    Firing,
+    Lease,
+    NotLeader,
     PullStore,
+    ScheduleStore,
     TaskConflict,
     TaskFilter,
     TaskStore,
@@ -84,6 +91,15 @@ class InMemoryStore(TaskStore):
     def ping(self) -> None:
         return None
 
+    def forget(self, task_id: str) -> None:
+        """Drop an ended task and its attempts (retention)."""
+        with self._lock:
+            task = self._tasks.get(task_id)
+            if task is not None and task.status.is_terminal:
+                del self._tasks[task_id]
+                for key in [k for k in self._attempts if k[0] == task_id]:
+                    del self._attempts[key]
+
 
 class InMemoryPullStore(PullStore):
     def __init__(self) -> None:
@@ -121,6 +137,13 @@ class InMemoryPullStore(PullStore):
             )
             self._tasks[task.task_id] = task
             return task, True
+
+    def forget(self, task_id: str) -> None:
+        """Drop an ended task (retention)."""
+        with self._lock:
+            task = self._tasks.get(task_id)
+            if task is not None and task.status in (PullStatus.SUCCESS, PullStatus.FAILED):
+                del self._tasks[task_id]
 
     def enqueue(self, task: PullTask) -> None:
         with self._lock:
@@ -192,3 +215,127 @@ class InMemoryPullStore(PullStore):
             key=lambda t: t.modify_time + t.max_processing_time,
         )
         return [t for t in running if t.modify_time + t.max_processing_time <= now][:limit]
+
+
+class InMemoryScheduleStore(ScheduleStore):
+    """Schedules beside in-memory task stores; one lock stands in for the transaction."""
+
+    def __init__(self, tasks: InMemoryStore, pull: InMemoryPullStore) -> None:
+        self._tasks = tasks
+        self._pull = pull
+        self._schedules: dict[str, Schedule] = {}
+        self._changed_at: dict[str, float] = {}
+        self._runs: dict[tuple[str, float], Run] = {}
+        self._leases: dict[str, Lease] = {}
+        self._lock = threading.RLock()
+
+    def add(self, schedule: Schedule) -> tuple[Schedule, bool]:
+        with self._lock:
+            stored = self._schedules.get(schedule.schedule_id)
+            if stored is not None:
+                return stored, False
+            stored = replace(schedule, version=1)
+            self._schedules[schedule.schedule_id] = stored
+            self._changed_at[schedule.schedule_id] = schedule.updated_at
+            return stored, True
+
+    def get(self, schedule_id: str) -> Schedule | None:
+        return self._schedules.get(schedule_id)
+
+    def list(self, limit: int, after: str | None = None) -> builtins.list[Schedule]:
+        ids = sorted(i for i in self._schedules if after is None or i > after)
+        return [self._schedules[i] for i in ids[:limit]]
+
+    def save(self, schedule: Schedule, changed: bool = True) -> bool:
+        with self._lock:
+            stored = self._schedules.get(schedule.schedule_id)
+            if stored is None or stored.version != schedule.version:
+                return False
+            self._schedules[schedule.schedule_id] = replace(schedule, version=schedule.version + 1)
+            if changed:
+                self._changed_at[schedule.schedule_id] = schedule.updated_at
+            return True
+
+    def delete(self, schedule_id: str) -> bool:
+        with self._lock:
+            if self._schedules.pop(schedule_id, None) is None:
+                return False
+            for key in [k for k in self._runs if k[0] == schedule_id]:
+                del self._runs[key]
+            return True
+
+    def due(self, until: float, limit: int) -> builtins.list[Schedule]:
+        ready = sorted(
+            (at, s.schedule_id)
+            for s in self._schedules.values()
+            if (at := wake_at(s)) is not None and at <= until
+        )
+        return [self._schedules[i] for _, i in ready[:limit]]
+
+    def changed_since(self, since: float, limit: int) -> builtins.list[Schedule]:
+        ids = sorted(i for i, at in self._changed_at.items() if at >= since and i in self._schedules)
+        return [self._schedules[i] for i in ids[:limit]]
+
+    def fire(self, firings: Iterable[Firing], lease: Lease | None, now: float) -> builtins.list[bool]:
+        with self._lock:
+            if lease is not None and self._leases.get(lease.name) != lease:
+                raise NotLeader(f"lease {lease.name!r} epoch {lease.epoch} is no longer held")
+            return [self._fire(f, now) for f in firings]
+
+    def _fire(self, firing: Firing, now: float) -> bool:
+        if not self.save(firing.schedule, changed=False):
+            return False
+        for run in firing.runs:
+            self._runs[(run.schedule_id, run.scheduled_at)] = run
+        for task in firing.tasks:
+            self._tasks.create(task, now)
+        for pull_task in firing.pull_tasks:
+            self._pull.create(pull_task)
+        return True
+
+    def runs(self, schedule_id: str, limit: int, before: float | None = None) -> builtins.list[Run]:
+        found = sorted(
+            (r for (sid, at), r in self._runs.items() if sid == schedule_id and (before is None or at < before)),
+            key=lambda r: r.scheduled_at,
+            reverse=True,
+        )
+        return found[:limit]
+
+    def run_times(self, schedule_id: str, start: float, end: float) -> set[float]:
+        return {at for sid, at in self._runs if sid == schedule_id and start <= at <= end}
+
+    def task_status(self, task_ids: Iterable[str]) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for task_id in task_ids:
+            if (task := self._tasks.get(task_id)) is not None:
+                found[task_id] = task.status.label
+            elif (pull_task := self._pull.get(task_id)) is not None:
+                found[task_id] = pull_task.status.name.lower()
+        return found
+
+    def acquire(self, name: str, owner: str, ttl: float, now: float) -> Lease | None:
+        with self._lock:
+            held = self._leases.get(name)
+            if held is not None and held.expires_at > now and held.owner != owner:
+                return None
+            if held is not None and held.owner == owner and held.expires_at > now:
+                lease = replace(held, expires_at=now + ttl)
+            else:
+                lease = Lease(name, owner, (held.epoch if held else 0) + 1, now + ttl)
+            self._leases[name] = lease
+            return lease
+
+    def release(self, lease: Lease) -> None:
+        with self._lock:
+            if self._leases.get(lease.name) == lease:
+                self._leases[lease.name] = replace(lease, expires_at=0.0)
+
+    def purge(self, before: float, limit: int, tasks: bool) -> int:
+        with self._lock:
+            old = sorted((at, sid) for sid, at in self._runs if at < before)[:limit]
+            for at, sid in old:
+                run = self._runs.pop((sid, at))
+                if tasks and run.task_id is not None:
+                    self._tasks.forget(run.task_id)
+                    self._pull.forget(run.task_id)
+            return len(old)

@@ -116,3 +116,53 @@ pull_tasks = Table(
     Index("ix_af_pull_tasks_lease", "lease_until"),
     Index("ix_af_pull_tasks_type_created", "task_type", "create_time"),
 )
+
+# --- Schedules (SPEC §9, seed 002) ------------------------------------------------
+
+schedules = Table(
+    "af_schedules",
+    metadata,
+    Column("schedule_id", String(40), primary_key=True),
+    # What it starts, when, and its policies, as written (shared.schedules.model).
+    Column("definition", Json, nullable=False),
+    Column("paused", Boolean, nullable=False),
+    Column("note", Text, nullable=False),
+    Column("created_at", Double, nullable=False),
+    # Set when a user changes the schedule, not when it fires: the leader's change feed.
+    Column("changed_at", Double, nullable=False),
+    # The leader's state: every scheduled time <= cursor is handled.
+    Column("cursor", Double),
+    Column("next_at", Double),
+    Column("running", String(MAX_TASK_ID)),
+    Column("buffered", Json, nullable=False),
+    # When the leader must act on it (next_at plus jitter); NULL while paused or finished.
+    Column("fire_at", Double),
+    Column("version", Integer, nullable=False),
+    Index("ix_af_schedules_fire_at", "fire_at"),
+    Index("ix_af_schedules_changed", "changed_at"),
+)
+
+# One row per firing (the seed's job-flow table); the key makes a firing happen once.
+schedule_runs = Table(
+    "af_schedule_runs",
+    metadata,
+    Column("schedule_id", String(40), primary_key=True),
+    Column("scheduled_at", Double, primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("fired_at", Double),
+    Column("task_id", String(MAX_TASK_ID)),
+    Column("reason", Text),
+    Index("ix_af_schedule_runs_time", "scheduled_at"),
+    Index("ix_af_schedule_runs_task", "task_id"),
+)
+
+# Leadership among scheduler processes: the owner holds it until expires_at; each new
+# owner gets the next epoch, and a write fenced by an older epoch is refused.
+leases = Table(
+    "af_leases",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("owner", String(128), nullable=False),
+    Column("epoch", Integer, nullable=False),
+    Column("expires_at", Double, nullable=False),
+)

@@ -71,7 +71,7 @@ def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
 
 
 # Built once: create_task is the hot path, and building it costs more than running it.
-_CREATE = _create_statement()
+CREATE_PULL_TASK = _create_statement()
 
 
 def _row(task: PullTask) -> dict[str, Any]:
@@ -80,6 +80,11 @@ def _row(task: PullTask) -> dict[str, Any]:
     running = task.status is PullStatus.RUNNING
     row["lease_until"] = task.modify_time + task.max_processing_time if running else None
     return row
+
+
+def create_row(task: PullTask) -> dict[str, Any]:
+    """Parameters of CREATE_PULL_TASK for a new task."""
+    return _row(replace(task, version=1))
 
 
 def _task(row: Any) -> PullTask:
@@ -129,10 +134,10 @@ class SqlPullStore(PullStore):
 
     def create(self, task: PullTask) -> tuple[PullTask, bool] | None:
         # One statement reads the type's settings and inserts: create_task is a hot path.
-        row = _row(replace(task, version=1))
+        row = create_row(task)
         try:
             with self.sql.transaction() as conn:
-                inserted = conn.execute(_CREATE, row).first()
+                inserted = conn.execute(CREATE_PULL_TASK, row).first()
         except IntegrityError:
             stored = self.get(task.task_id)
             if stored is None or (stored.task_type, stored.user_id) != (task.task_type, task.user_id):
