@@ -123,7 +123,8 @@ def _task_routes(runtime: Runtime) -> APIRouter:
 
     @router.get("/tasks/{task_id}", response_model=TaskDocument)
     def get_task(task_id: str, who: CallerDep, svc: Service) -> TaskDocument:
-        return TaskDocument.of(visible_task(svc, who, task_id), svc.attempts(task_id))
+        origin = runtime.schedules.origins([task_id]).get(task_id)
+        return TaskDocument.of(visible_task(svc, who, task_id), svc.attempts(task_id), origin)
 
     @router.get("/tasks", response_model=TaskList)
     def list_tasks(
@@ -140,7 +141,9 @@ def _task_routes(runtime: Runtime) -> APIRouter:
             user_id=list_user(who, user_id),
             limit=limit,
         )
-        return TaskList(tasks=[TaskDocument.of(t) for t in svc.list(where)])
+        found = svc.list(where)
+        origins = runtime.schedules.origins(t.task_id for t in found)
+        return TaskList(tasks=[TaskDocument.of(t, origin=origins.get(t.task_id)) for t in found])
 
     @router.post("/tasks/{task_id}/cancel", response_model=TaskDocument)
     def cancel(task_id: str, who: CallerDep, svc: Service) -> TaskDocument:

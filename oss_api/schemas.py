@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from oss_api.limits import json_problem
+from shared.schedules.model import Run
 from shared.states import Phase, StepState, StepType, TaskStatus
 from shared.storage import AttemptRecord
 from shared.task import Step, Task
@@ -159,11 +160,15 @@ class TaskDocument(BaseModel):
     steps: list[StepDocument]
     current: CurrentMessage | None
     attempts: list[AttemptDocument] | None = None
+    schedule_id: str | None = Field(default=None, description="The schedule whose firing created the task")
+    scheduled_at: float | None = Field(default=None, description="The scheduled time of that firing")
 
     @classmethod
-    def of(cls, task: Task, attempts: list[AttemptRecord] | None = None) -> TaskDocument:
+    def of(cls, task: Task, attempts: list[AttemptRecord] | None = None, origin: Run | None = None) -> TaskDocument:
         a = task.active
         return cls(
+            schedule_id=origin.schedule_id if origin else None,
+            scheduled_at=origin.scheduled_at if origin else None,
             task_id=task.task_id,
             flow=task.flow,
             task_status=int(task.status),

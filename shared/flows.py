@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from shared.module import Module, ModuleError, import_module_object
 from shared.names import NAME
+from shared.schedules.definition import SCHEDULE_ID, Definition
 
 
 class FlowsError(Exception):
@@ -119,15 +120,24 @@ class _FlowsFile(BaseModel):
 
     modules: dict[str, ModuleDecl] = Field(default_factory=dict)
     flows: dict[str, _FlowBody]
+    # By schedule id; the scheduler adds them at start, or updates those that changed.
+    schedules: dict[str, Definition] = Field(default_factory=dict)
 
 
 class FlowSet:
     """The validated content of one flows.yaml."""
 
-    def __init__(self, flows: dict[str, Flow], modules: dict[str, ModuleDecl], source: str) -> None:
+    def __init__(
+        self,
+        flows: dict[str, Flow],
+        modules: dict[str, ModuleDecl],
+        source: str,
+        schedules: dict[str, Definition] | None = None,
+    ) -> None:
         self.flows = flows
         self.modules = modules
         self.source = source
+        self.schedules = schedules or {}
 
     def get(self, name: str) -> Flow | None:
         return self.flows.get(name)
@@ -191,9 +201,9 @@ def _location(source: str, loc: tuple[Any, ...]) -> str:
     if len(loc) >= 2 and loc[0] == "flows":
         field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[2:]).lstrip(".")
         return f"{source}: flow {loc[1]!r}: {field or '(flow)'}"
-    if len(loc) >= 2 and loc[0] == "modules":
+    if len(loc) >= 2 and loc[0] in ("modules", "schedules"):
         rest = ".".join(str(p) for p in loc[2:])
-        return f"{source}: module {loc[1]!r}: {rest or '(module)'}"
+        return f"{source}: {loc[0][:-1]} {loc[1]!r}: {rest or '(' + loc[0][:-1] + ')'}"
     return f"{source}: {'.'.join(str(p) for p in loc) or '(top level)'}"
 
 
@@ -219,7 +229,20 @@ def parse_flows(data: Any, source: str = "flows.yaml") -> FlowSet:
         name: Flow(name=name, description=body.description, steps=tuple(body.steps))
         for name, body in parsed.flows.items()
     }
-    return FlowSet(flows, parsed.modules, source)
+    schedules = {}
+    for schedule_id, definition in parsed.schedules.items():
+        where = f"{source}: schedule {schedule_id!r}"
+        if re.fullmatch(SCHEDULE_ID, schedule_id) is None:
+            problems.append(f"{where}: id must match {SCHEDULE_ID}")
+        if definition.schedule_id not in (None, schedule_id):
+            problems.append(f"{where}: schedule_id: differs from the key; leave it out")
+        if definition.flow is not None and definition.flow not in flows:
+            problems.append(f"{where}: flow: no flow {definition.flow!r} in this file")
+        problems += [f"{where}: {field}: {problem}" for field, problem in definition.problems()]
+        schedules[schedule_id] = definition.model_copy(update={"schedule_id": schedule_id})
+    if problems:
+        raise FlowsError(problems)
+    return FlowSet(flows, parsed.modules, source, schedules)
 
 
 class UniqueKeyLoader(yaml.SafeLoader):

@@ -83,10 +83,6 @@ class Scheduler:
                 except StorageUnavailable as exc:
                     log.warning("scheduler: database unavailable: %s", exc)
                     wait = self.cadence.sweep
-                except NotLeader as exc:
-                    log.warning("scheduler: lost the lead: %s", exc)
-                    self._stand_by()
-                    wait = 0.0
                 except Exception:
                     # A bug in one schedule or task must not stop the timers of all the others.
                     log.exception("scheduler pass failed")
@@ -114,7 +110,12 @@ class Scheduler:
         if now >= self._due["changes"]:
             self._read_changes(now)
             self._due["changes"] = now + c.changes
-        self._fire(now)
+        try:
+            self._fire(now)
+        except NotLeader as exc:
+            log.warning("scheduler %s: lost the lead: %s", self.owner, exc)
+            self._stand_by()
+            return self._due["renew"] - now
         if now >= self._due["sweep"]:
             if self.tick():
                 self._due["sweep"] = now  # more may be due right away

@@ -112,6 +112,9 @@ class Run:
     reason: str | None = None
 
 
+TASK_ID_PREFIX = "sch."
+
+
 def task_id_of(schedule_id: str, scheduled_at: float) -> str:
     """The id of the task a firing creates: the same for the same firing, whoever fires it."""
-    return f"sch.{schedule_id}.{round(scheduled_at * 1000)}"
+    return f"{TASK_ID_PREFIX}{schedule_id}.{round(scheduled_at * 1000)}"

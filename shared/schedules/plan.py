@@ -171,11 +171,11 @@ class _Work:
             return False
         ended = self.running
         self.running = None
-        if ended is not None and running is Running.FAILED and self.before.policy.pause_on_failure:
-            if not self.paused:
-                self.paused = True
-                self.note = f"paused on failure: task {ended} failed"
-                return True
+        failed = ended is not None and running is Running.FAILED
+        if failed and self.before.policy.pause_on_failure and not self.paused:
+            self.paused = True
+            self.note = f"paused on failure: task {ended} failed"
+            return True
         if self.buffered and not self.paused:
             self.fire(self.buffered.pop(0))
         return False

@@ -23,7 +23,7 @@ from shared.pull.rules import PullTask, TaskType, new_pull_task
 from shared.pull.service import PullService
 from shared.saga import Cancel, Decision, InvalidAction
 from shared.schedules.definition import Definition, Problem, definition_of
-from shared.schedules.model import Run, RunState, Schedule
+from shared.schedules.model import TASK_ID_PREFIX, Run, RunState, Schedule
 from shared.schedules.plan import Plan, Running, plan_backfill, plan_due, plan_trigger
 from shared.schedules.timing import initial_cursor, times_after, times_between
 from shared.service import ServiceError, TaskService
@@ -102,6 +102,23 @@ class ScheduleService:
             log.info("schedule added", extra={"schedule_id": schedule_id})
         return stored, created
 
+    def declare(self, declared: Mapping[str, Definition]) -> None:
+        """Apply flows.yaml's schedules: add the new ones, update those whose definition changed.
+
+        Schedules not declared (added through the API or the CLI, or removed from the
+        file) are left alone. Raises :class:`InvalidSchedule` naming the schedule.
+        """
+        for schedule_id, definition in declared.items():
+            stored = self.store.get(schedule_id)
+            try:
+                if stored is None:
+                    self.add(definition)
+                elif _what(self._checked(definition, schedule_id, self.clock())) != _what(stored):
+                    self.modify(schedule_id, definition.model_dump(exclude={"schedule_id", "paused", "note"}))
+                    log.info("schedule updated from flows.yaml", extra={"schedule_id": schedule_id})
+            except InvalidSchedule as exc:
+                raise InvalidSchedule([(f"schedules.{schedule_id}.{d['field']}", d["problem"]) for d in exc.detail]) from None
+
     def get(self, schedule_id: str) -> Schedule:
         schedule = self.store.get(schedule_id)
         if schedule is None:
@@ -178,6 +195,10 @@ class ScheduleService:
         statuses = self.store.task_status(r.task_id for r in runs if r.task_id is not None)
         return [RunView(r, statuses.get(r.task_id or "", r.state.value)) for r in runs]
 
+    def origins(self, task_ids: Iterable[str]) -> dict[str, Run]:
+        """The run that created each task a schedule created (their ids start with ``sch.``)."""
+        return self.store.origins(t for t in task_ids if t.startswith(TASK_ID_PREFIX))
+
     # --- firings users ask for ---------------------------------------------------------
 
     def trigger(self, schedule_id: str) -> builtins.list[Run]:
@@ -195,7 +216,11 @@ class ScheduleService:
         def decide(s: Schedule, running: Running, now: float) -> Plan:
             plan = plan_backfill(s, start, end, now, MAX_BACKFILL)
             known = self.store.run_times(schedule_id, start, end)
-            return replace(plan, runs=tuple(r for r in plan.runs if r.scheduled_at not in known))
+            runs = tuple(r for r in plan.runs if r.scheduled_at not in known)
+            # The newest task it starts may be one that ran already: then nothing new runs.
+            newest = max((r for r in runs if r.task_id), key=lambda r: r.scheduled_at, default=None)
+            after = replace(plan.schedule, running=newest.task_id if newest and s.running is None else s.running)
+            return replace(plan, schedule=after, runs=runs)
 
         return self._fire_one(schedule_id, decide)
 

@@ -41,10 +41,10 @@ class Timetable:
         return len(self._known)
 
     def put(self, s: Schedule, now: float, not_before: float = 0.0) -> None:
-        """Track ``s`` (a newer version replaces an older one); ignored if it never fires again."""
+        """Track ``s``: a newer version replaces the one held; one that never fires again is dropped."""
         held = self._known.get(s.schedule_id)
-        if held is not None and held.version > s.version:
-            return
+        if held is not None and held.version >= s.version:
+            return  # tracked already (read again by a reload), or this copy is older
         at = None if s.paused else next_fire_at(s)
         if watched(s):
             at = min(at, now + WATCH_EVERY) if at is not None else now + WATCH_EVERY

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
@@ -28,7 +28,7 @@ from shared.schedules.model import When
 MIN_EVERY = 1.0
 MAX_EVERY = 366 * 86400.0
 
-_UTC = timezone.utc
+_UTC = UTC
 # Cron times are looked for between these (datetime stops at year 9999).
 _CRON_FIRST = datetime(1900, 1, 1, tzinfo=_UTC).timestamp()
 _CRON_LAST = datetime(9000, 1, 1, tzinfo=_UTC).timestamp()

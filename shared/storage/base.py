@@ -275,6 +275,10 @@ class ScheduleStore(abc.ABC):
         """Newest scheduled time first, those before ``before``."""
 
     @abc.abstractmethod
+    def origins(self, task_ids: Iterable[str]) -> dict[str, Run]:
+        """The run that created each of ``task_ids``, for those a schedule created."""
+
+    @abc.abstractmethod
     def run_times(self, schedule_id: str, start: float, end: float) -> set[float]:
         """Scheduled times in [start, end] that already have a run."""
 

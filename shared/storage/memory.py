@@ -278,7 +278,8 @@ class InMemoryScheduleStore(ScheduleStore):
 
     def fire(self, firings: Iterable[Firing], lease: Lease | None, now: float) -> builtins.list[bool]:
         with self._lock:
-            if lease is not None and self._leases.get(lease.name) != lease:
+            held = self._leases.get(lease.name) if lease is not None else None
+            if lease is not None and (held != lease or lease.expires_at <= now):
                 raise NotLeader(f"lease {lease.name!r} epoch {lease.epoch} is no longer held")
             return [self._fire(f, now) for f in firings]
 
@@ -300,6 +301,10 @@ class InMemoryScheduleStore(ScheduleStore):
             reverse=True,
         )
         return found[:limit]
+
+    def origins(self, task_ids: Iterable[str]) -> dict[str, Run]:
+        wanted = set(task_ids)
+        return {r.task_id: r for r in self._runs.values() if r.task_id is not None and r.task_id in wanted}
 
     def run_times(self, schedule_id: str, start: float, end: float) -> set[float]:
         return {at for sid, at in self._runs if sid == schedule_id and start <= at <= end}

@@ -254,6 +254,14 @@ class SqlScheduleStore(ScheduleStore):
         with self.sql.transaction(read_only=True) as conn:
             return [_run(r) for r in conn.execute(query)]
 
+    def origins(self, task_ids: Iterable[str]) -> dict[str, Run]:
+        ids = list(set(task_ids))
+        if not ids:
+            return {}
+        query = select(schedule_runs).where(schedule_runs.c.task_id.in_(ids))
+        with self.sql.transaction(read_only=True) as conn:
+            return {r.task_id: _run(r) for r in conn.execute(query)}
+
     def run_times(self, schedule_id: str, start: float, end: float) -> set[float]:
         query = select(schedule_runs.c.scheduled_at).where(
             schedule_runs.c.schedule_id == schedule_id,

@@ -22,8 +22,11 @@ from sqlalchemy import create_engine, delete
 
 from shared.migrate import upgrade
 from shared.storage import InMemoryPullStore, InMemoryStore, PullStore, SqlStore, TaskStore, open_store
-from shared.storage.schema import attempts, pull_tasks, task_types, tasks
+from shared.storage.base import ScheduleStore
+from shared.storage.memory import InMemoryScheduleStore
+from shared.storage.schema import attempts, leases, pull_tasks, schedule_runs, schedules, task_types, tasks
 from shared.storage.sql_pull import SqlPullStore
+from shared.storage.sql_schedules import SqlScheduleStore
 from tests.conftest import require_service
 
 SQL_BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
@@ -72,11 +75,11 @@ def postgres_schema(migrate: bool = True) -> Iterator[tuple[str, str]]:
 
 
 def empty_tables(url: str) -> None:
-    """Delete every task, attempt, v1 task and task type (tests share one migrated schema per run)."""
+    """Delete every row of every table (tests share one migrated schema per run)."""
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
-            for table in (attempts, tasks, pull_tasks, task_types):
+            for table in (attempts, tasks, pull_tasks, task_types, schedule_runs, schedules, leases):
                 conn.execute(delete(table))
     finally:
         engine.dispose()
@@ -132,3 +135,12 @@ def pull_store(store: TaskStore) -> PullStore:
     if isinstance(store, SqlStore):
         return SqlPullStore(store)
     return InMemoryPullStore()
+
+
+@pytest.fixture
+def schedule_store(store: TaskStore, pull_store: PullStore) -> ScheduleStore:
+    """The schedule store that goes with ``store`` and ``pull_store``."""
+    if isinstance(store, SqlStore):
+        return SqlScheduleStore(store)
+    assert isinstance(store, InMemoryStore) and isinstance(pull_store, InMemoryPullStore)
+    return InMemoryScheduleStore(store, pull_store)

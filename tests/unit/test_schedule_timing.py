@@ -86,6 +86,20 @@ def test_both_passes_of_the_repeated_hour_fire_for_a_wildcard_job() -> None:
     ]
 
 
+def test_a_wildcard_minute_in_a_fixed_hour_follows_the_wall_clock() -> None:
+    """Debian cron's rule: with ``*`` in the minute or hour field, no DST adjustment at all."""
+    in_two = When(cron="*/30 2 * * *", timezone=NY)
+    assert times_between(in_two, at("2024-03-10T00:00", NY), at("2024-03-10T05:00", NY), 10) == []  # no 02:xx
+    in_one = When(cron="*/30 1 * * *", timezone=NY)
+    fall = times_between(in_one, at("2024-11-03T00:00", NY), at("2024-11-03T04:00", NY), 10)
+    assert [wall(t, NY) for t in fall] == [
+        "2024-11-03 01:00:00-0400",
+        "2024-11-03 01:30:00-0400",
+        "2024-11-03 01:00:00-0500",
+        "2024-11-03 01:30:00-0500",
+    ]
+
+
 def test_starting_in_the_second_pass_of_a_repeated_hour_does_not_go_back() -> None:
     second_pass = at("2024-11-03T01:10", NY, fold=1)
     assert [wall(t, NY) for t in times_after(When(cron="30 1 * * *", timezone=NY), second_pass, 1)] == [
@@ -196,6 +210,22 @@ def test_every_is_the_anchor_plus_whole_steps(every: float, start_at: float | No
     assert times[0] > after
     assert k0 == 0 or anchor + (k0 - 1) * every <= after
     assert times_between(When(every=every, start_at=start_at), after, times[-1], 100) == times
+
+
+@pytest.mark.parametrize(
+    ("every", "start_at", "after"),
+    [  # cases where the division rounds the wrong way: the first step is one too early, or one too late
+        (1.1, 443383332.5460701, 452533516.4460701),
+        (813.53815565581, 1076957591.4756887, 7330159236.638709),
+        (439.95941035033286, 791420889.4415349, 2057442369.1933181),
+        (223.0, 1536291698.4281652, 3691409413.428165),
+    ],
+)
+def test_every_finds_the_first_step_despite_rounding(every: float, start_at: float, after: float) -> None:
+    [t] = times_after(When(every=every, start_at=start_at), after, 1)
+    assert t > after
+    k = round((t - start_at) / every)
+    assert t == start_at + k * every and start_at + (k - 1) * every <= after
 
 
 # --- bounds, run_at -----------------------------------------------------------------
