@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -19,6 +19,30 @@ STATUS_NAMES = {
 }
 
 
+class ApiError(click.ClickException):
+    """A 4xx/5xx answer: ``status``, the API's ``error`` and, for invalid input, ``detail``: [{field, problem}]."""
+
+    def __init__(self, status: int, error: str, detail: list[dict[str, str]] | None = None) -> None:
+        self.status = status
+        self.error = error
+        self.detail = detail or []
+        super().__init__(self.describe())
+
+    def describe(self, options: Mapping[str, str] | None = None) -> str:
+        """One line, or a headline and one line per wrong field (``options``: field -> CLI option to name too)."""
+        if not self.detail:
+            return f"{self.status}: {self.error}"
+        problems = [(d.get("field") or "body", d.get("problem", "")) for d in self.detail]
+        # The API's error repeats the field problems after a headline ("invalid schedule: cron: ...").
+        summary = "; ".join(f"{f}: {p}" for f, p in problems)
+        headline = self.error.removesuffix(summary).rstrip(": ") or self.error
+        lines = [f"{self.status}: {headline}"]
+        for field, problem in problems:
+            option = (options or {}).get(field.split(".")[0])
+            lines.append(f"  {field} ({option}): {problem}" if option else f"  {field}: {problem}")
+        return "\n".join(lines)
+
+
 class ApiClient:
     def __init__(
         self, base_url: str, api_key: str | None = None, transport: httpx.BaseTransport | None = None
@@ -27,22 +51,31 @@ class ApiClient:
         self.base_url = base_url
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=base_url, timeout=30, headers=headers, transport=transport)
+        self.last_status = 0  # of the latest answer (201 created / 200 already there)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """The JSON answer (None for an empty one); raises :class:`ApiError` on an error status."""
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             raise click.ClickException(
                 f"cannot reach the API at {self.base_url} ({exc}); is `asyncflow up` running?"
             ) from exc
+        self.last_status = response.status_code
         if response.status_code >= 400:
+            detail = None
             try:
-                message = response.json().get("error", response.text)
-            except ValueError:
+                body = response.json()
+                message = body.get("error", response.text)
+                if isinstance(body.get("detail"), list):
+                    detail = [d for d in body["detail"] if isinstance(d, dict)]
+            except (ValueError, AttributeError):
                 message = response.text
             if response.status_code == 401:
                 message = f"{message} (set ASYNCFLOW_API_KEY to a key the API accepts)"
-            raise click.ClickException(f"{response.status_code}: {message}")
+            raise ApiError(response.status_code, str(message), detail)
+        if response.status_code == 204 or not response.content:
+            return None
         return response.json()
 
 

@@ -15,6 +15,8 @@ from shared.logs import setup_logging
 from shared.messaging import bound_shutdown, queue_name
 from shared.migrate import upgrade
 from shared.runtime import Runtime
+from shared.schedules.service import InvalidSchedule
+from shared.storage import patiently
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +72,22 @@ def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics
 
 
 def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> None:
-    """Timers and governance sweeps (shared.scheduler) until SIGTERM or SIGINT."""
+    """Schedules and governance sweeps (shared.scheduler) until SIGTERM or SIGINT.
+
+    The schedules of flows.yaml are applied first; a wrong one stops the start.
+    """
     setup_logging(settings.log_level, "scheduler")
-    Runtime(settings).scheduler.run(stop or _stop_on_signals())
+    runtime = Runtime(settings)
+    stop = stop or _stop_on_signals()
+    try:
+        patiently(
+            lambda: runtime.schedules.declare(runtime.flows.schedules),
+            settings.outcome_patience,
+            "applying the schedules of flows.yaml",
+        )
+    except InvalidSchedule as exc:
+        raise SystemExit(f"{settings.flows}: {exc}") from None
+    runtime.scheduler.run(stop)
 
 
 def _stop_on_signals() -> threading.Event:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from oss_api.auth import Caller, CallerDep, submit_user
 from shared.runtime import Runtime
 from shared.schedules.definition import SCHEDULE_ID, Definition, definition_of
-from shared.schedules.model import Overlap, Run, Schedule
+from shared.schedules.model import Overlap, Schedule
 from shared.schedules.service import RunView, ScheduleNotFound, ScheduleService
 
 
@@ -26,7 +26,8 @@ class ScheduleDocument(Definition):
     schedule_id: str  # always set once stored
     created_at: float
     updated_at: float
-    next_fire_times: list[float] = Field(description="The next 5 scheduled times (epoch seconds)")
+    state: str = Field(description="active, paused, or done (it will not fire again)")
+    next_fire_times: list[float] = Field(description="The next 5 scheduled times (epoch seconds), paused or not")
     last_scheduled_at: float | None = Field(description="Every scheduled time up to this one is handled")
     running_task_id: str | None = Field(description="Task of the latest firing while it may still run")
     buffered: list[float] = Field(description="Scheduled times waiting for the running task to end")
@@ -38,7 +39,8 @@ class ScheduleDocument(Definition):
             schedule_id=s.schedule_id,
             created_at=s.created_at,
             updated_at=s.updated_at,
-            next_fire_times=next_fire_times if not s.paused else [],
+            state="paused" if s.paused else "active" if next_fire_times or s.buffered else "done",
+            next_fire_times=next_fire_times,
             last_scheduled_at=s.cursor,
             running_task_id=s.running,
             buffered=list(s.buffered),
@@ -95,19 +97,16 @@ class RunDocument(BaseModel):
     reason: str | None = Field(description="Why it was skipped")
 
     @classmethod
-    def of(cls, run: Run, status: str | None = None) -> "RunDocument":
+    def view(cls, view: RunView) -> "RunDocument":
+        run = view.run
         return cls(
             scheduled_at=run.scheduled_at,
             fired_at=run.fired_at,
             task_id=run.task_id,
-            status=status or run.state.value,
+            status=view.status,
             state=run.state.value,
             reason=run.reason,
         )
-
-    @classmethod
-    def view(cls, view: RunView) -> "RunDocument":
-        return cls.of(view.run, view.status)
 
 
 class RunList(BaseModel):
@@ -179,12 +178,12 @@ def schedule_routes(runtime: Runtime) -> APIRouter:
     @router.post("/{schedule_id}/trigger", response_model=RunList)
     def trigger(schedule_id: str, who: CallerDep, svc: Service) -> RunList:
         visible(svc, who, schedule_id)
-        return RunList(runs=[RunDocument.of(r) for r in svc.trigger(schedule_id)])
+        return RunList(runs=[RunDocument.view(v) for v in svc.trigger(schedule_id)])
 
     @router.post("/{schedule_id}/backfill", response_model=RunList)
     def backfill(schedule_id: str, body: BackfillRequest, who: CallerDep, svc: Service) -> RunList:
         visible(svc, who, schedule_id)
-        return RunList(runs=[RunDocument.of(r) for r in svc.backfill(schedule_id, body.start, body.end)])
+        return RunList(runs=[RunDocument.view(v) for v in svc.backfill(schedule_id, body.start, body.end)])
 
     @router.get("/{schedule_id}/runs", response_model=RunList)
     def runs(

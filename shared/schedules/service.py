@@ -23,7 +23,7 @@ from shared.pull.rules import PullTask, TaskType, new_pull_task
 from shared.pull.service import PullService
 from shared.saga import Cancel, Decision, InvalidAction
 from shared.schedules.definition import Definition, Problem, definition_of
-from shared.schedules.model import TASK_ID_PREFIX, Run, RunState, Schedule
+from shared.schedules.model import TASK_ID_PREFIX, Overlap, Run, RunState, Schedule
 from shared.schedules.plan import Plan, Running, plan_backfill, plan_due, plan_trigger
 from shared.schedules.timing import initial_cursor, times_after, times_between
 from shared.service import ServiceError, TaskService
@@ -63,6 +63,12 @@ class RunView:
 def _what(s: Schedule) -> tuple[object, ...]:
     """What a definition says, apart from the state users change later (pause, note)."""
     return (s.target, s.when, s.policy)
+
+
+def _watches_its_task(s: Schedule) -> bool:
+    """Whether what became of its latest task changes anything (it does unless all may run at once)."""
+    policy = s.policy
+    return s.running is not None and (policy.overlap is not Overlap.ALLOW_ALL or policy.pause_on_failure or bool(s.buffered))
 
 
 def running_of(schedule: Schedule, statuses: Mapping[str, str]) -> Running:
@@ -191,7 +197,9 @@ class ScheduleService:
 
     def runs(self, schedule_id: str, limit: int, before: float | None = None) -> builtins.list[RunView]:
         self.get(schedule_id)
-        runs = self.store.runs(schedule_id, limit, before)
+        return self._views(self.store.runs(schedule_id, limit, before))
+
+    def _views(self, runs: builtins.list[Run]) -> builtins.list[RunView]:
         statuses = self.store.task_status(r.task_id for r in runs if r.task_id is not None)
         return [RunView(r, statuses.get(r.task_id or "", r.state.value)) for r in runs]
 
@@ -201,11 +209,18 @@ class ScheduleService:
 
     # --- firings users ask for ---------------------------------------------------------
 
-    def trigger(self, schedule_id: str) -> builtins.list[Run]:
+    def trigger(self, schedule_id: str) -> builtins.list[RunView]:
         """Fire now, under the schedule's overlap policy; returns the run records written."""
-        return self._fire_one(schedule_id, lambda s, running, now: plan_trigger(s, now, running))
 
-    def backfill(self, schedule_id: str, start: float, end: float) -> builtins.list[Run]:
+        def decide(s: Schedule, running: Running, now: float) -> Plan:
+            # Two triggers in one millisecond, or one on a scheduled time: a firing of its own.
+            while self.store.run_times(schedule_id, now - 0.0005, now + 0.0005):
+                now += 0.001
+            return plan_trigger(s, now, running)
+
+        return self._fire_one(schedule_id, decide)
+
+    def backfill(self, schedule_id: str, start: float, end: float) -> builtins.list[RunView]:
         """Fire every scheduled time in [start, end] that has no run yet."""
         if end < start:
             raise InvalidSchedule([("end", "must not be before start")])
@@ -234,7 +249,7 @@ class ScheduleService:
         """
         now = self.clock()
         batch = builtins.list(schedules)
-        statuses = self.store.task_status(s.running for s in batch if s.running is not None)
+        statuses = self.store.task_status(s.running for s in batch if s.running is not None and _watches_its_task(s))
         planned = [(s, plan_due(s, now, running_of(s, statuses))) for s in batch]
         after = [s for s, p in planned if not p.changed]
         planned = [(s, p) for s, p in planned if p.changed]
@@ -273,7 +288,9 @@ class ScheduleService:
         stored, changed = compare_and_set(f"schedule {schedule_id}", lambda: self.get(schedule_id), decide, write)
         return stored if changed == stored else replace(changed, version=stored.version + 1)
 
-    def _fire_one(self, schedule_id: str, decide: Callable[[Schedule, Running, float], Plan]) -> builtins.list[Run]:
+    def _fire_one(
+        self, schedule_id: str, decide: Callable[[Schedule, Running, float], Plan]
+    ) -> builtins.list[RunView]:
         def plan(s: Schedule) -> Plan:
             statuses = self.store.task_status([s.running] if s.running else [])
             return decide(s, running_of(s, statuses), self.clock())
@@ -282,7 +299,7 @@ class ScheduleService:
             return self._write([(s, p)], None, self.clock())[0] if p.changed else None
 
         _, done = compare_and_set(f"schedule {schedule_id}", lambda: self.get(schedule_id), plan, write)
-        return builtins.list(done.runs)
+        return self._views(sorted(done.runs, key=lambda r: r.scheduled_at, reverse=True))
 
     def _write(self, planned: builtins.list[tuple[Schedule, Plan]], lease: Lease | None, now: float) -> builtins.list[bool]:
         """Store the plans with the tasks they create, then publish and cancel what they say."""

@@ -27,15 +27,19 @@ if TYPE_CHECKING:
 _FROM_TYPE = frozenset({"max_retry_num", "max_retry_interval", "max_processing_time"})
 
 
-def _create_statement() -> Any:
-    """INSERT … SELECT: the new row's own values as parameters, the type's settings from its row."""
+def _create_statement(returning: bool = True) -> Any:
+    """INSERT … SELECT: the new row's own values as parameters, the type's settings from its row.
+
+    Without ``returning``, for many rows at once (executemany): its row count says how many
+    found their type.
+    """
     columns = [c.name for c in pull_tasks.columns]
     values = [
         task_types.c[c] if c in _FROM_TYPE else bindparam(c, type_=pull_tasks.c[c].type) for c in columns
     ]
     chosen = select(*values).where(task_types.c.task_type == bindparam("task_type"))
-    returned = (pull_tasks.c[c] for c in sorted(_FROM_TYPE))
-    return insert(pull_tasks).from_select(columns, chosen).returning(*returned)
+    statement = insert(pull_tasks).from_select(columns, chosen)
+    return statement.returning(*(pull_tasks.c[c] for c in sorted(_FROM_TYPE))) if returning else statement
 
 
 def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
@@ -72,6 +76,7 @@ def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
 
 # Built once: create_task is the hot path, and building it costs more than running it.
 CREATE_PULL_TASK = _create_statement()
+CREATE_PULL_TASKS = _create_statement(returning=False)
 
 
 def _row(task: PullTask) -> dict[str, Any]:

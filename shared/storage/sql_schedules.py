@@ -21,9 +21,9 @@ from shared.schedules.timetable import wake_at
 from shared.states import TERMINAL, TaskStatus
 from shared.storage.base import Firing, Lease, NotLeader, ScheduleStore
 from shared.storage.codec import task_to_row
-from shared.storage.schema import attempts, leases, pull_tasks, schedule_runs, schedules, tasks
+from shared.storage.schema import attempts, leases, pull_tasks, schedule_runs, schedules, task_types, tasks
 from shared.storage.sql import SqlStore
-from shared.storage.sql_pull import CREATE_PULL_TASK, create_row
+from shared.storage.sql_pull import CREATE_PULL_TASKS, create_row
 from shared.storage.statements import CREATE_TASK
 
 # The leader's state, written by every firing; the definition only by users.
@@ -235,10 +235,13 @@ class SqlScheduleStore(ScheduleStore):
         flow_tasks = [task_to_row(t, now) | {"version": 1} for f in batch for t in f.tasks]
         if flow_tasks:
             conn.execute(CREATE_TASK, flow_tasks)
-        for f in batch:
-            for pull_task in f.pull_tasks:
-                if conn.execute(CREATE_PULL_TASK, create_row(pull_task)).first() is None:
-                    raise ValueError(f"task type {pull_task.task_type!r} is not registered")
+        pulled = [create_row(t) for f in batch for t in f.pull_tasks]
+        if pulled:
+            wanted = {row["task_type"] for row in pulled}
+            known = set(conn.execute(select(task_types.c.task_type).where(task_types.c.task_type.in_(wanted))).scalars())
+            if wanted - known:
+                raise ValueError(f"task type(s) {sorted(wanted - known)} are not registered")
+            conn.execute(CREATE_PULL_TASKS, pulled)
 
     # --- reads ----------------------------------------------------------------------------
 
