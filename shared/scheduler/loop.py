@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from shared.pull.service import PullService
 from shared.scheduler.sweeps import sweep_leases, sweep_tasks
 from shared.schedules.service import ScheduleService
-from shared.schedules.timetable import Timetable
+from shared.schedules.timetable import Timetable, wake_at
 from shared.service import TaskService
 from shared.storage import StorageUnavailable
 from shared.storage.base import Lease, NotLeader
@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 LEADER = "scheduler"
 FIRE_BATCH = 500
-# A user's change is read back this much earlier than the latest one seen, for
-# transactions that commit out of order and API hosts whose clocks lag a little.
+LOAD_PAGE = 2000
+# Users' changes are read from this long before the previous read, for changes
+# that committed just after it and for API hosts whose clocks lag a little.
 CHANGE_SKEW = 1.0
 
 
@@ -66,7 +67,8 @@ class Scheduler:
         self.lease: Lease | None = None
         self.timetable = Timetable()
         self._due = {"renew": 0.0, "load": 0.0, "changes": 0.0, "sweep": 0.0, "purge": 0.0}
-        self._changes_seen = 0.0
+        self._changes_read_at = 0.0
+        self._loaded: tuple[float, str] | None = None  # where the last page of due schedules ended
 
     def tick(self) -> int:
         """One pass of every sweep; returns how many records changed."""
@@ -104,9 +106,7 @@ class Scheduler:
         if self.lease is None:
             return self._due["renew"] - now
         if now >= self._due["load"]:
-            for s in self.schedules.store.due(now + c.load_ahead, 100_000):
-                self.timetable.put(s, now)
-            self._due["load"] = now + c.load_ahead / 2
+            self._load(now)
         if now >= self._due["changes"]:
             self._read_changes(now)
             self._due["changes"] = now + c.changes
@@ -129,6 +129,24 @@ class Scheduler:
             wake = min(wake, following)
         return wake - self.clock()
 
+    def _load(self, now: float) -> None:
+        """Read the next page of schedules coming due within load_ahead into the timetable.
+
+        Pages are small and read once a second, so reading never holds firing up
+        for long; a schedule already held at its version costs only its decoding.
+        """
+        page = self.schedules.store.due(now + self.cadence.load_ahead, LOAD_PAGE, self._loaded)
+        for s in page:
+            self.timetable.put(s, now)
+        if len(page) == LOAD_PAGE:
+            last = page[-1]
+            self._loaded = (wake_at(last) or now, last.schedule_id)
+            self._due["load"] = now  # more to read: next pass
+        else:
+            # Read to the end: from now on, what enters the window since the last page.
+            self._loaded = (now + self.cadence.load_ahead, "")
+            self._due["load"] = now + 1.0
+
     def _renew(self, now: float) -> None:
         c = self.cadence
         lease = self.schedules.store.acquire(LEADER, self.owner, c.lease_ttl, now)
@@ -141,8 +159,9 @@ class Scheduler:
         if self.lease is None or lease.epoch != self.lease.epoch:
             log.info("scheduler %s leads (epoch %d)", self.owner, lease.epoch)
             self.timetable.clear()
+            self._loaded = None
             self._due.update(load=now, changes=now, sweep=now)
-            self._changes_seen = now - c.load_ahead
+            self._changes_read_at = now  # the full load reads what is due
         self.lease = lease
 
     def _stand_by(self) -> None:
@@ -151,9 +170,9 @@ class Scheduler:
         self._due["renew"] = self.clock() + self.cadence.lease_ttl / 3
 
     def _read_changes(self, now: float) -> None:
-        for s in self.schedules.store.changed_since(self._changes_seen - CHANGE_SKEW, 10_000):
+        for s in self.schedules.store.changed_since(self._changes_read_at - CHANGE_SKEW, 10_000):
             self.timetable.put(s, now)
-            self._changes_seen = max(self._changes_seen, s.updated_at)
+        self._changes_read_at = now
 
     def _fire(self, now: float) -> None:
         while due := self.timetable.pop_due(now, FIRE_BATCH):

@@ -256,8 +256,11 @@ class ScheduleStore(abc.ABC):
         """Remove the schedule and its runs; False if there was none."""
 
     @abc.abstractmethod
-    def due(self, until: float, limit: int) -> builtins.list[Schedule]:
-        """Schedules to act on by ``until`` (not paused, with a next firing), soonest first."""
+    def due(self, until: float, limit: int, after: tuple[float, str] | None = None) -> builtins.list[Schedule]:
+        """Schedules to act on by ``until`` (not paused, with a next firing), by (fire_at, id).
+
+        ``after``: only those past this (fire_at, id), to read a long list in pages.
+        """
 
     @abc.abstractmethod
     def changed_since(self, since: float, limit: int) -> builtins.list[Schedule]:

@@ -264,11 +264,11 @@ class InMemoryScheduleStore(ScheduleStore):
                 del self._runs[key]
             return True
 
-    def due(self, until: float, limit: int) -> builtins.list[Schedule]:
+    def due(self, until: float, limit: int, after: tuple[float, str] | None = None) -> builtins.list[Schedule]:
         ready = sorted(
             (at, s.schedule_id)
             for s in self._schedules.values()
-            if (at := wake_at(s)) is not None and at <= until
+            if (at := wake_at(s)) is not None and at <= until and (after is None or (at, s.schedule_id) > after)
         )
         return [self._schedules[i] for _, i in ready[:limit]]
 

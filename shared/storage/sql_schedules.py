@@ -138,6 +138,14 @@ class SqlScheduleStore(ScheduleStore):
                 return self.add(schedule)
             return found, False
 
+    def add_many(self, new: Iterable[Schedule], batch: int = 5000) -> int:
+        """Insert many new schedules (a bulk import); an existing id fails the whole call."""
+        rows = [_row(replace(s, version=1)) for s in new]
+        with self.sql.transaction() as conn:
+            for start in range(0, len(rows), batch):
+                conn.execute(insert(schedules), rows[start : start + batch])
+        return len(rows)
+
     def get(self, schedule_id: str) -> Schedule | None:
         with self.sql.transaction(read_only=True) as conn:
             row = conn.execute(select(schedules).where(schedules.c.schedule_id == schedule_id)).first()
@@ -168,9 +176,12 @@ class SqlScheduleStore(ScheduleStore):
             conn.execute(delete(schedule_runs).where(schedule_runs.c.schedule_id == schedule_id))
             return bool(conn.execute(delete(schedules).where(schedules.c.schedule_id == schedule_id)).rowcount)
 
-    def due(self, until: float, limit: int) -> builtins.list[Schedule]:
+    def due(self, until: float, limit: int, after: tuple[float, str] | None = None) -> builtins.list[Schedule]:
         # fire_at is NULL while paused or finished: the range scan touches only what is due.
-        query = select(schedules).where(schedules.c.fire_at <= until).order_by(schedules.c.fire_at).limit(limit)
+        key = (schedules.c.fire_at, schedules.c.schedule_id)
+        query = select(schedules).where(schedules.c.fire_at <= until).order_by(*key).limit(limit)
+        if after is not None:
+            query = query.where(schedules.c.fire_at >= after[0], tuple_(*key) > tuple_(*after))
         with self.sql.transaction(read_only=True) as conn:
             return [_schedule(r) for r in conn.execute(query)]
 

@@ -206,3 +206,14 @@ def test_purge_deletes_old_runs_in_batches_and_only_ended_tasks(
     assert [r.scheduled_at for r in schedule_store.runs("s1", 10)] == times[2:][::-1]
     assert store.get(tasks[0].task_id) is None, "an ended task of a purged run goes with it"
     assert store.get(tasks[1].task_id) is not None, "a task still pending stays"
+
+
+def test_due_reads_in_pages_past_a_key_even_when_many_share_a_time(schedule_store: ScheduleStore) -> None:
+    for i in range(5):
+        schedule_store.add(every_minute(f"s{i}"))  # all due at NOW + 60
+    schedule_store.add(replace(every_minute("z"), next_at=NOW + 30))
+    first = schedule_store.due(NOW + 60, 3)
+    assert [s.schedule_id for s in first] == ["z", "s0", "s1"]
+    rest = schedule_store.due(NOW + 60, 3, after=(NOW + 60, "s1"))
+    assert [s.schedule_id for s in rest] == ["s2", "s3", "s4"]
+    assert schedule_store.due(NOW + 60, 3, after=(NOW + 60, "s4")) == []
