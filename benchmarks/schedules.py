@@ -155,6 +155,11 @@ def lateness_ms(rows: list[Any]) -> dict[str, Any]:
     }
 
 
+def longest_pause(moments: list[float]) -> float | None:
+    ordered = sorted(set(moments))
+    return max((b - a for a, b in zip(ordered, ordered[1:])), default=None)
+
+
 def start_scheduler(procs: Processes, key: str) -> None:
     procs.launch(key, [sys.executable, "-m", "asyncflow", "scheduler"])
 
@@ -230,6 +235,8 @@ def failover(args: argparse.Namespace, url: str, procs: Processes) -> dict[str, 
         "tasks": tasks[0],
         "double_tasks": tasks[0] - tasks[1],
         "lateness": lateness_ms(fired),
+        # The longest stretch without any firing: what a failover costs.
+        "longest_pause_s": longest_pause([r.fired_at for r in fired]),
         "lease_ttl_s": LEASE_TTL,
     }
 

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 LEADER = "scheduler"
 FIRE_BATCH = 500
 LOAD_PAGE = 2000
+STANDBY_POLL = 0.5
 # Users' changes are read from this long before the previous read, for changes
 # that committed just after it and for API hosts whose clocks lag a little.
 CHANGE_SKEW = 1.0
@@ -150,7 +151,9 @@ class Scheduler:
     def _renew(self, now: float) -> None:
         c = self.cadence
         lease = self.schedules.store.acquire(LEADER, self.owner, c.lease_ttl, now)
-        self._due["renew"] = now + c.lease_ttl / 3
+        # The leader renews at a third of the lease; the others ask often, so that one
+        # takes over soon after the lease of a dead leader runs out.
+        self._due["renew"] = now + (c.lease_ttl / 3 if lease else min(c.lease_ttl / 3, STANDBY_POLL))
         if lease is None:
             if self.lease is not None:
                 log.warning("scheduler %s: another scheduler leads now", self.owner)
@@ -167,7 +170,7 @@ class Scheduler:
     def _stand_by(self) -> None:
         self.lease = None
         self.timetable.clear()
-        self._due["renew"] = self.clock() + self.cadence.lease_ttl / 3
+        self._due["renew"] = self.clock() + min(self.cadence.lease_ttl / 3, STANDBY_POLL)
 
     def _read_changes(self, now: float) -> None:
         for s in self.schedules.store.changed_since(self._changes_read_at - CHANGE_SKEW, 10_000):
