@@ -86,10 +86,12 @@ def worker(modules: tuple[str, ...], concurrency: int | None, metrics_port: int 
 
 @main.command()
 def scheduler() -> None:
-    """Run the timers: publish retries and polls when they are due."""
+    """Fire schedules and run the timers (retries, polls, requeues, expiries); one of several leads."""
     from asyncflow.serve import run_scheduler
 
-    run_scheduler(_settings())
+    settings = _settings()
+    _load(settings.flows)
+    run_scheduler(settings)
 
 
 # --- tasks -------------------------------------------------------------------------

@@ -77,6 +77,8 @@ def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> No
     The schedules of flows.yaml are applied first; a wrong one stops the start.
     """
     setup_logging(settings.log_level, "scheduler")
+    if settings.migrate_on_start:
+        upgrade(settings.resolved_database_url())
     runtime = Runtime(settings)
     stop = stop or _stop_on_signals()
     try:

@@ -157,7 +157,7 @@ def lateness_ms(rows: list[Any]) -> dict[str, Any]:
 
 def longest_pause(moments: list[float]) -> float | None:
     ordered = sorted(set(moments))
-    return max((b - a for a, b in zip(ordered, ordered[1:])), default=None)
+    return max((b - a for a, b in zip(ordered, ordered[1:], strict=False)), default=None)
 
 
 def start_scheduler(procs: Processes, key: str) -> None:

@@ -3,7 +3,6 @@
 # No `from __future__ import annotations`: FastAPI reads the route annotations,
 # some of which are built inside the factory from the settings.
 
-import json
 import logging
 import os
 from typing import Annotated, Any
@@ -14,8 +13,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from oss_api import errors
 from oss_api.auth import CallerDep, caller, list_user, load_keys, log_mode, submit_user, visible_task
-from oss_api.errors import MalformedBody, RequestTooLarge
-from oss_api.limits import BodyLimit
+from oss_api.limits import BodyLimit, check_parameters_size
 from oss_api.schedules import schedule_routes
 from oss_api.schemas import SubmitRequest, TaskDocument, TaskList, UserId
 from oss_api.v1 import v1_routes
@@ -98,18 +96,7 @@ def _task_routes(runtime: Runtime) -> APIRouter:
         idempotency_key: Annotated[str | None, Header(max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")] = None,
     ) -> TaskDocument:
         user_id = submit_user(who, body.user_id)
-        try:
-            size = len(json.dumps(body.parameters, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
-        except ValueError:
-            # Python's parser accepts NaN/Infinity (and reads 1e400 as Infinity); JSON
-            # (and PostgreSQL's jsonb) does not.
-            raise MalformedBody(
-                "malformed JSON body: NaN and Infinity are not JSON numbers (1e400 and beyond overflow to Infinity)"
-            ) from None
-        if size > settings.max_parameters_bytes:
-            raise RequestTooLarge(
-                f"parameters are {size} bytes; the limit is {settings.max_parameters_bytes}"
-            )
+        check_parameters_size(body.parameters, settings.max_parameters_bytes)
         task, created = svc.submit(
             body.flow,
             body.parameters,

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from oss_api.auth import Caller, CallerDep, submit_user
+from oss_api.limits import check_parameters_size
 from shared.runtime import Runtime
 from shared.schedules.definition import SCHEDULE_ID, Definition, definition_of
 from shared.schedules.model import Overlap, Schedule
@@ -133,6 +134,7 @@ def schedule_routes(runtime: Runtime) -> APIRouter:
     @router.post("", status_code=201, response_model=ScheduleDocument)
     def add(body: Definition, who: CallerDep, svc: Service, response: Response) -> ScheduleDocument:
         body = body.model_copy(update={"user_id": submit_user(who, body.user_id)})
+        check_parameters_size(body.parameters or {}, runtime.settings.max_parameters_bytes)
         schedule, created = svc.add(body)
         if not created:
             response.status_code = 200
@@ -145,7 +147,7 @@ def schedule_routes(runtime: Runtime) -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         after: Annotated[str | None, Query(pattern=SCHEDULE_ID, description="Those with a greater id")] = None,
     ) -> ScheduleList:
-        found = [s for s in svc.list(limit, after) if who.admin or s.target.user_id == who.user]
+        found = svc.list(limit, after, user_id=None if who.admin else who.user)
         return ScheduleList(schedules=[document(svc, s) for s in found])
 
     @router.get("/{schedule_id}", response_model=ScheduleDocument)
@@ -155,6 +157,7 @@ def schedule_routes(runtime: Runtime) -> APIRouter:
     @router.patch("/{schedule_id}", response_model=ScheduleDocument)
     def modify(schedule_id: str, body: Changes, who: CallerDep, svc: Service) -> ScheduleDocument:
         visible(svc, who, schedule_id)
+        check_parameters_size(body.parameters or {}, runtime.settings.max_parameters_bytes)
         return document(svc, svc.modify(schedule_id, body.model_dump(exclude_unset=True)))
 
     @router.delete("/{schedule_id}", status_code=204, response_class=Response)

@@ -8,9 +8,9 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from oss_api.limits import json_problem
 from shared.schedules.model import Run
 from shared.states import Phase, StepState, StepType, TaskStatus
+from shared.storable import json_problem
 from shared.storage import AttemptRecord
 from shared.task import Step, Task
 

@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.concurrency import run_in_threadpool
 
 from oss_api.auth import Caller, Forbidden, request_caller
-from oss_api.limits import json_problem
 from shared.names import NAME
 from shared.pull.rules import (
     MAX_CONTENT_BYTES,
@@ -31,6 +30,7 @@ from shared.pull.service import PullService, ReservedTaskType, UnknownTaskType
 from shared.pull.steps import InvalidStepReport
 from shared.runtime import Runtime
 from shared.service import TaskNotFound
+from shared.storable import json_problem
 from shared.storage import StorageUnavailable, TaskConflict
 
 log = logging.getLogger(__name__)

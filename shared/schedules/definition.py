@@ -7,15 +7,17 @@ expression and the time zone), each problem named by its field.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.names import NAME
 from shared.pull.rules import MAX_CONTENT_BYTES
 from shared.schedules.model import DEFAULT_CATCHUP_WINDOW, Overlap, Policy, Schedule, Target, When
 from shared.schedules.timing import InvalidWhen, check, initial_cursor, times_after
+from shared.storable import json_problem
 
 # Short enough that the id of a task it creates ("sch.<id>.<ms>") fits a task id.
 SCHEDULE_ID = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,39}$"
@@ -59,6 +61,21 @@ class Definition(BaseModel):
     paused: bool = False
     note: str = Field(default="", max_length=1000)
 
+    @field_validator("parameters")
+    @classmethod
+    def _storable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return value
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            # flows.yaml can hold what JSON cannot: a date (2024-01-01 unquoted), NaN (.nan).
+            raise ValueError(f"must be JSON (quote dates in YAML): {exc}") from None
+        problem = json_problem(value, "parameters")
+        if problem:
+            raise ValueError(problem)
+        return value
+
     def problems(self) -> list[tuple[str, str]]:
         """What spans fields; the time checks of :func:`shared.schedules.timing.check`."""
         found: list[tuple[str, str]] = []
@@ -90,10 +107,15 @@ class Definition(BaseModel):
             jitter=self.jitter,
         )
 
-    def schedule(self, schedule_id: str, now: float) -> Schedule:
-        """The new schedule; raises :class:`Problem`. A ``run_at`` older than the catch-up window is refused."""
+    def schedule(self, schedule_id: str, now: float, new_run_at: bool = True) -> Schedule:
+        """The schedule it defines; raises :class:`Problem`.
+
+        ``new_run_at``: its ``run_at`` is being set now, so one older than the
+        catch-up window is refused (it could never fire). A stored one-off that
+        fired long ago is not.
+        """
         found = self.problems()
-        if not found and self.run_at is not None and now - self.run_at > self.catchup_window:
+        if not found and new_run_at and self.run_at is not None and now - self.run_at > self.catchup_window:
             found.append(("run_at", f"{now - self.run_at:.0f} s in the past, beyond catchup_window"))
         if found:
             raise Problem(found)

@@ -65,6 +65,15 @@ def _what(s: Schedule) -> tuple[object, ...]:
     return (s.target, s.when, s.policy)
 
 
+def _resumed(s: Schedule, now: float) -> Schedule:
+    """``s``, just unpaused, going on from ``now``: no making up for the firings of the pause."""
+    cursor = max(s.cursor if s.cursor is not None else now, now)
+    if s.when.run_at is not None:
+        cursor = min(cursor, initial_cursor(s.when, now))
+    following = times_after(s.when, cursor, 1)
+    return replace(s, cursor=cursor, next_at=following[0] if following else None, updated_at=now)
+
+
 def _watches_its_task(s: Schedule) -> bool:
     """Whether what became of its latest task changes anything (it does unless all may run at once)."""
     policy = s.policy
@@ -100,13 +109,17 @@ class ScheduleService:
         """Store a new schedule; a replayed id with the same definition returns the stored one."""
         schedule_id = definition.schedule_id or uuid.uuid4().hex[:20]
         definition = definition.model_copy(update={"schedule_id": schedule_id})
-        schedule = self._checked(definition, schedule_id, self.clock())
-        stored, created = self.store.add(schedule)
-        if not created and _what(stored) != _what(schedule):
+        now = self.clock()
+        stored = self.store.get(schedule_id) if definition.schedule_id else None
+        if stored is None:
+            stored, created = self.store.add(self._checked(definition, schedule_id, now))
+            if created:
+                log.info("schedule added", extra={"schedule_id": schedule_id})
+                return stored, True
+        # A replay: the same definition, though its run_at may be long past by now.
+        if _what(self._checked(definition, schedule_id, now, new_run_at=False)) != _what(stored):
             raise ScheduleConflict(f"schedule {schedule_id!r} exists with another definition")
-        if created:
-            log.info("schedule added", extra={"schedule_id": schedule_id})
-        return stored, created
+        return stored, False
 
     def declare(self, declared: Mapping[str, Definition]) -> None:
         """Apply flows.yaml's schedules: add the new ones, update those whose definition changed.
@@ -119,7 +132,7 @@ class ScheduleService:
             try:
                 if stored is None:
                     self.add(definition)
-                elif _what(self._checked(definition, schedule_id, self.clock())) != _what(stored):
+                elif _what(self._checked(definition, schedule_id, self.clock(), new_run_at=False)) != _what(stored):
                     self.modify(schedule_id, definition.model_dump(exclude={"schedule_id", "paused", "note"}))
                     log.info("schedule updated from flows.yaml", extra={"schedule_id": schedule_id})
             except InvalidSchedule as exc:
@@ -131,11 +144,14 @@ class ScheduleService:
             raise ScheduleNotFound(f"no schedule {schedule_id!r}")
         return schedule
 
-    def list(self, limit: int, after: str | None = None) -> builtins.list[Schedule]:
-        return self.store.list(limit, after)
+    def list(self, limit: int, after: str | None = None, user_id: str | None = None) -> builtins.list[Schedule]:
+        return self.store.list(limit, after, user_id)
 
     def modify(self, schedule_id: str, changes: Mapping[str, Any]) -> Schedule:
-        """Change fields of the definition; firing times restart from now if the timing changed."""
+        """Change fields of the definition; firing times restart from now if the timing changed.
+
+        ``paused: false`` resumes, as :meth:`resume` does.
+        """
         if "schedule_id" in changes and changes["schedule_id"] != schedule_id:
             raise InvalidSchedule([("schedule_id", "cannot be changed")])
 
@@ -148,16 +164,17 @@ class ScheduleService:
                     [(".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
                 ) from None
             now = self.clock()
-            fresh = self._checked(definition, schedule_id, now)
+            fresh = self._checked(definition, schedule_id, now, new_run_at=definition.run_at != stored.when.run_at)
             if fresh.when == stored.when:
                 fresh = replace(fresh, cursor=stored.cursor, next_at=stored.next_at)
-            return replace(
+            changed = replace(
                 fresh,
                 created_at=stored.created_at,
                 running=stored.running,
                 buffered=stored.buffered,
                 version=stored.version,
             )
+            return _resumed(changed, now) if stored.paused and not changed.paused else changed
 
         return self._change(schedule_id, decide)
 
@@ -171,19 +188,7 @@ class ScheduleService:
     def resume(self, schedule_id: str) -> Schedule:
         """Firings that fell in the pause are not made up for: the schedule goes on from now."""
         now = self.clock()
-
-        def decide(s: Schedule) -> Schedule:
-            if not s.paused:
-                return s
-            cursor = max(s.cursor if s.cursor is not None else now, now)
-            if s.when.run_at is not None:
-                cursor = min(cursor, initial_cursor(s.when, now))
-            following = times_after(s.when, cursor, 1)
-            return replace(
-                s, paused=False, cursor=cursor, next_at=following[0] if following else None, updated_at=now
-            )
-
-        return self._change(schedule_id, decide)
+        return self._change(schedule_id, lambda s: _resumed(replace(s, paused=False), now) if s.paused else s)
 
     def delete(self, schedule_id: str) -> None:
         if not self.store.delete(schedule_id):
@@ -263,10 +268,10 @@ class ScheduleService:
 
     # --- internals -----------------------------------------------------------------------
 
-    def _checked(self, definition: Definition, schedule_id: str, now: float) -> Schedule:
+    def _checked(self, definition: Definition, schedule_id: str, now: float, new_run_at: bool = True) -> Schedule:
         problems: list[tuple[str, str]] = []
         try:
-            schedule = definition.schedule(schedule_id, now)
+            schedule = definition.schedule(schedule_id, now, new_run_at)
         except Problem as exc:
             problems = exc.problems
         if definition.flow is not None and self.tasks.flows.get(definition.flow) is None:

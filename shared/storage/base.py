@@ -240,8 +240,8 @@ class ScheduleStore(abc.ABC):
     def get(self, schedule_id: str) -> Schedule | None: ...
 
     @abc.abstractmethod
-    def list(self, limit: int, after: str | None = None) -> list[Schedule]:
-        """By id, those after ``after``."""
+    def list(self, limit: int, after: str | None = None, user_id: str | None = None) -> list[Schedule]:
+        """By id, those after ``after`` (of ``user_id``'s tasks, if given)."""
 
     @abc.abstractmethod
     def save(self, schedule: Schedule, changed: bool = True) -> bool:

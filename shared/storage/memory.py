@@ -242,8 +242,12 @@ class InMemoryScheduleStore(ScheduleStore):
     def get(self, schedule_id: str) -> Schedule | None:
         return self._schedules.get(schedule_id)
 
-    def list(self, limit: int, after: str | None = None) -> builtins.list[Schedule]:
-        ids = sorted(i for i in self._schedules if after is None or i > after)
+    def list(self, limit: int, after: str | None = None, user_id: str | None = None) -> builtins.list[Schedule]:
+        ids = sorted(
+            i
+            for i, s in self._schedules.items()
+            if (after is None or i > after) and (user_id is None or s.target.user_id == user_id)
+        )
         return [self._schedules[i] for i in ids[:limit]]
 
     def save(self, schedule: Schedule, changed: bool = True) -> bool:

@@ -125,6 +125,8 @@ schedules = Table(
     Column("schedule_id", String(40), primary_key=True),
     # What it starts, when, and its policies, as written (shared.schedules.model).
     Column("definition", Json, nullable=False),
+    # The owner of the tasks it creates (target.user_id), for per-user lists.
+    Column("user_id", String(128)),
     Column("paused", Boolean, nullable=False),
     Column("note", Text, nullable=False),
     Column("created_at", Double, nullable=False),
@@ -140,6 +142,7 @@ schedules = Table(
     Column("version", Integer, nullable=False),
     Index("ix_af_schedules_fire_at", "fire_at"),
     Index("ix_af_schedules_changed", "changed_at"),
+    Index("ix_af_schedules_user", "user_id", "schedule_id"),
 )
 
 # One row per firing (the seed's job-flow table); the key makes a firing happen once.

@@ -59,6 +59,7 @@ def _row(s: Schedule) -> dict[str, Any]:
     return {
         "schedule_id": s.schedule_id,
         "definition": _definition(s),
+        "user_id": s.target.user_id,
         "created_at": s.created_at,
         "changed_at": s.updated_at,
         "version": s.version,
@@ -151,10 +152,12 @@ class SqlScheduleStore(ScheduleStore):
             row = conn.execute(select(schedules).where(schedules.c.schedule_id == schedule_id)).first()
         return _schedule(row) if row is not None else None
 
-    def list(self, limit: int, after: str | None = None) -> builtins.list[Schedule]:
+    def list(self, limit: int, after: str | None = None, user_id: str | None = None) -> builtins.list[Schedule]:
         query = select(schedules).order_by(schedules.c.schedule_id).limit(limit)
         if after is not None:
             query = query.where(schedules.c.schedule_id > after)
+        if user_id is not None:
+            query = query.where(schedules.c.user_id == user_id)
         with self.sql.transaction(read_only=True) as conn:
             return [_schedule(r) for r in conn.execute(query)]
 

@@ -20,7 +20,9 @@ from shared.migrate import alembic_config, downgrade, upgrade
 from shared.storage.schema import metadata
 from tests.integration.conftest import postgres_schema
 
-CORE_TABLES = {"af_tasks", "af_attempts", "af_task_types", "af_pull_tasks"}
+CORE_TABLES = {
+    "af_tasks", "af_attempts", "af_task_types", "af_pull_tasks", "af_schedules", "af_schedule_runs", "af_leases",
+}
 
 
 class Database:

@@ -29,7 +29,7 @@ PARAMETERS_LIMIT = 64 * 1024
 TASK_FIELDS = {
     "task_id", "flow", "task_status", "status_name", "task_message", "task_cursor", "time_create",
     "time_start", "time_end", "priority", "user_id", "cancel_requested", "parameters", "steps",
-    "current", "attempts",
+    "current", "attempts", "schedule_id", "scheduled_at",
 }
 STEP_FIELDS = {
     "code", "message", "time_start", "time_end",
@@ -110,6 +110,8 @@ def test_submit_returns_201_with_the_full_task_document_and_publishes_step_0(api
         "cancel_requested": False,
         "parameters": {"Cpu": 4, "Name": "db1"},
         "attempts": None,
+        "schedule_id": None,  # submitted, not fired by a schedule
+        "scheduled_at": None,
     }
     # Queued: due for a re-publish if no worker starts it within requeue_after.
     assert doc["current"] == {

@@ -23,10 +23,10 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from oss_api.limits import MAX_PARAMETERS_DEPTH
 from oss_api.testing import TestClient, open_client
 from shared.config import Settings
 from shared.flows import FlowsError, FlowSet, load_flows, parse_flows
+from shared.storable import MAX_PARAMETERS_DEPTH
 from shared.storage import TaskFilter
 from shared.storage.sql import SqliteStore
 from shared.testing import InProcess

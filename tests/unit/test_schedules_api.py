@@ -27,7 +27,7 @@ from shared.flows import load_flows
 from shared.schedules.definition import SCHEDULE_ID
 from shared.storage import TaskFilter
 from shared.storage.sql import SqliteStore
-from shared.testing import InProcess
+from shared.testing import InProcess, ManualClock
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 NOW = 1_700_000_000.0  # Tue 2023-11-14 22:13:20 UTC, the ManualClock's start
@@ -59,7 +59,7 @@ class Api:
     app: InProcess
 
     @property
-    def clock(self) -> Any:
+    def clock(self) -> ManualClock:
         return self.app.clock
 
     def create(self, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
@@ -139,8 +139,8 @@ def one_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
 
 @pytest.fixture
 def shared(one_app: Api) -> Iterator[Api]:
-    """One app for the tests of requests that change nothing (they are many): every test
-    starts at NOW with no schedule, and must leave no task behind."""
+    """One app for the many tests that fire nothing (the per-test app costs most of their time):
+    each starts at NOW with no schedule, and must leave no task behind."""
     one_app.clock.now = NOW
     tasks = one_app.task_ids()
     yield one_app
@@ -393,6 +393,17 @@ def test_patch_changes_the_timing_and_the_next_fire_times_follow(api: Api) -> No
     assert (doc["parameters"], doc["overlap"], doc["note"]) == ({"n": 2}, "allow_all", "n2")
     assert api.get("/api/schedules/s1").json() == doc
     assert api.stored()["s1"].version == 4
+
+
+def test_the_scheduler_follows_a_patch_and_a_delete(api: Api) -> None:
+    api.create({"schedule_id": "hourly", "flow": "noop", "every": 3600})
+    api.create({"schedule_id": "doomed", **EVERY})
+    api.step(0)  # the leader holds both
+    api.ok("PATCH", "/api/schedules/hourly", {"every": 60})
+    assert api.client.delete("/api/schedules/doomed").status_code == 204
+    api.step(40)  # NOW + 40: a whole minute
+    assert [r["scheduled_at"] for r in api.runs("hourly")] == [NOW + 40]
+    assert api.task_ids() == [f"sch.hourly.{round((NOW + 40) * 1000)}"]
 
 
 @pytest.mark.parametrize(

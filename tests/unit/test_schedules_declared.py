@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,27 @@ def test_a_valid_section_parses_with_the_key_as_schedule_id(tmp_path: Path) -> N
     # Without the section: none.
     (tmp_path / "plain.yaml").write_text(yaml.safe_dump(FLOWS), encoding="utf-8")
     assert load_flows(tmp_path / "plain.yaml").schedules == {}
+
+
+def test_a_yaml_date_in_parameters_is_refused_or_stored(tmp_path: Path) -> None:
+    """An unquoted date is a YAML date, not JSON: refuse it naming the field, or store it (not crash)."""
+    path = write(tmp_path / "flows.yaml", {"nightly": {**NIGHTLY, "parameters": {"day": date(2024, 1, 1)}}})
+    assert "day: 2024-01-01\n" in path.read_text(encoding="utf-8")
+    try:
+        flows = load_flows(path)
+    except FlowsError as exc:
+        where = f"{path}: schedule 'nightly': parameters"
+        assert any(p.startswith(where) for p in exc.problems), exc.problems
+        return
+    store = SqliteStore(f"sqlite:///{tmp_path / 'asyncflow.sqlite'}")
+    store.create_schema()
+    try:
+        app = InProcess(flows, tmp_path, store)
+        app.runtime.schedules.declare(flows.schedules)
+        stored = app.runtime.schedules.get("nightly").target.parameters
+        assert stored["day"] in ("2024-01-01", date(2024, 1, 1))
+    finally:
+        store.close()
 
 
 # --- declare -------------------------------------------------------------------------------------------

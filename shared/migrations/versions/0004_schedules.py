@@ -24,6 +24,7 @@ def upgrade() -> None:
         "af_schedules",
         sa.Column("schedule_id", sa.String(40), primary_key=True),
         sa.Column("definition", Json, nullable=False),
+        sa.Column("user_id", sa.String(128)),
         sa.Column("paused", sa.Boolean(), nullable=False),
         sa.Column("note", sa.Text(), nullable=False),
         sa.Column("created_at", sa.Double(), nullable=False),
@@ -37,6 +38,7 @@ def upgrade() -> None:
     )
     op.create_index("ix_af_schedules_fire_at", "af_schedules", ["fire_at"])
     op.create_index("ix_af_schedules_changed", "af_schedules", ["changed_at"])
+    op.create_index("ix_af_schedules_user", "af_schedules", ["user_id", "schedule_id"])
     op.create_table(
         "af_schedule_runs",
         sa.Column("schedule_id", sa.String(40), primary_key=True),
