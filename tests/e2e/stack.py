@@ -114,15 +114,22 @@ class Stack:
         return text[-tail:] if tail else text
 
     def stop(self) -> None:
+        # SIGTERM to each main process, as a service manager stops a service: a worker
+        # then stops its own pool. (SIGTERM to the whole group can kill a pool process
+        # holding the pool's queue lock, and billiard's exit then waits on it forever.)
         for proc in self.procs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                proc.terminate()
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
+            except ProcessLookupError:
+                pass
+            proc.wait()
 
     # --- API helpers -------------------------------------------------------------
 

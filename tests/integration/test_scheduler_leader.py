@@ -155,7 +155,9 @@ def test_a_failed_task_pauses_a_schedule_with_pause_on_failure(
     clock = ManualClock(1_700_000_000.0)
     [leader] = nodes(store, pull_store, schedule_store, clock, 1)
     leader.service.add(Definition(schedule_id="p", flow="one", every=3600.0, pause_on_failure=True))
-    run_for(clock, 3601, leader, step=1.0)
+    run_for(clock, 1, leader)
+    clock.advance(3599 - clock() % 3600)
+    run_for(clock, 2, leader)
     [run] = schedule_store.runs("p", 10)
     assert run.task_id is not None
     task = store.get(run.task_id)
