@@ -259,6 +259,7 @@ def message_for(task: Task) -> StepMessage:
         timeout=action.timeout,
         retry=action.retry,
         parameters=dict(task.parameters),
+        priority=task.priority,
     )
 
 

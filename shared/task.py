@@ -113,6 +113,12 @@ class StepMessage:
     timeout: float
     retry: int
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    priority: int = 0  # the task's
+
+    @property
+    def continues(self) -> bool:
+        """Part of a flow under way (a later step, a retry, a rollback), not its first attempt."""
+        return self.cursor > 0 or self.attempt > 1 or self.type is StepType.ROLLBACK
 
     def to_payload(self) -> dict[str, Any]:
         return {
@@ -127,6 +133,7 @@ class StepMessage:
             "timeout": self.timeout,
             "retry": self.retry,
             "parameters": dict(self.parameters),
+            "priority": self.priority,
         }
 
     @classmethod
@@ -143,6 +150,7 @@ class StepMessage:
             timeout=float(data["timeout"]),
             retry=int(data["retry"]),
             parameters=dict(data.get("parameters") or {}),
+            priority=int(data.get("priority") or 0),
         )
 
 

@@ -71,6 +71,24 @@ class StepRequest(Request):  # type: ignore[misc]  # celery is untyped: Request 
             log.exception("could not record a lost step attempt")
 
 
+# Delivery priorities 0-9. RabbitMQ queues are declared with this maximum; the Redis
+# transport keeps one list per level. The SQL transport of the embedded default
+# has no priorities: its queues stay first in, first out.
+MAX_PRIORITY = 9
+
+
+def delivery_priority(message: StepMessage) -> int:
+    """How soon a message is delivered, 0-9 (9 first).
+
+    A flow under way goes before flows not yet started, so in a burst a started
+    flow finishes instead of waiting behind the first steps of every later one;
+    within each half, the task's priority orders delivery.
+    """
+    p = message.priority
+    band = 0 if p < 0 else 1 if p == 0 else 2 if p < 10 else 3 if p < 100 else 4
+    return band + (5 if message.continues else 0)
+
+
 def make_celery(settings: Settings) -> Celery:
     """The app that publishes; a worker adds its tasks with :func:`serve_steps`."""
     url = settings.resolved_broker_url()
@@ -108,6 +126,14 @@ def make_celery(settings: Settings) -> Celery:
     elif url.startswith(("amqp", "pyamqp")):
         # Publisher confirms: a publish returns only once RabbitMQ has the message.
         conf["broker_transport_options"] = {"confirm_publish": True}
+        conf["task_queue_max_priority"] = MAX_PRIORITY
+    elif url.startswith(("redis", "rediss")):
+        # One list per level, the highest level read first.
+        conf["broker_transport_options"] = {
+            "priority_steps": list(range(MAX_PRIORITY + 1)),
+            "sep": ":",
+            "queue_order_strategy": "priority",
+        }
     app.conf.update(conf)
     return app
 
@@ -182,6 +208,8 @@ class CeleryPublisher:
         self.grace = settings.hard_timeout_grace
         self.alert_command = settings.alert_command
         self._paused_until = 0.0
+        # Redis reads level 0 first, RabbitMQ the highest: the same order either way.
+        self._inverted = settings.resolved_broker_url().startswith(("redis", "rediss"))
 
     def healthy(self) -> bool:
         return time.monotonic() >= self._paused_until
@@ -194,6 +222,7 @@ class CeleryPublisher:
                 STEP_TASK,
                 args=[message.to_payload()],
                 queue=queue_name(message.module),
+                priority=self._level(message),
                 # The soft limit interrupts the handler; the hard one kills its process.
                 soft_time_limit=message.timeout,
                 time_limit=message.timeout + self.grace,
@@ -205,6 +234,10 @@ class CeleryPublisher:
         except Exception:
             self._paused_until = time.monotonic() + self.PAUSE_AFTER_FAILURE
             raise
+
+    def _level(self, message: StepMessage) -> int:
+        level = delivery_priority(message)
+        return MAX_PRIORITY - level if self._inverted else level
 
     def alarm(self, alarm: Alarm) -> None:
         if not self.alert_command:

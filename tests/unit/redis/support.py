@@ -22,7 +22,7 @@ from kombu import Queue
 from kombu.message import Message
 
 from shared.flows import parse_flows
-from shared.messaging import queue_name
+from shared.messaging import MAX_PRIORITY, queue_name
 from shared.module import Module, PermanentError, StepContext
 from shared.runtime import Runtime
 from shared.scheduler.sweeps import sweep_tasks
@@ -168,14 +168,27 @@ def connection_class_on(server: fakeredis.FakeServer) -> type[fakeredis.FakeRedi
 
 
 def message_keys(client: fakeredis.FakeRedis) -> set[str]:
-    """Every key except kombu's bindings: the module lists and the unacknowledged set."""
+    """Every key except kombu's bindings: the module queues (whatever the priority level of
+    their lists) and the unacknowledged set."""
     keys = {key.decode() for key in client.keys("*")}
-    return {key for key in keys if not key.startswith("_kombu.binding")}
+    return {_queue_of(key) for key in keys if not key.startswith("_kombu.binding")}
+
+
+def _queue_of(key: str) -> str:
+    queue, _, level = key.rpartition(":")
+    return queue if queue and level.isdigit() else key
+
+
+def priority_lists(queue: str) -> list[str]:
+    """The Redis lists of ``queue``, in the order they are read: kombu keeps one per priority
+    level, level 0 (read first) under the queue's own name."""
+    return [queue] + [f"{queue}:{level}" for level in range(1, MAX_PRIORITY + 1)]
 
 
 def envelopes(client: fakeredis.FakeRedis, queue: str) -> list[dict[str, Any]]:
-    """The messages on ``queue``, oldest first (kombu pushes on the left and pops on the right)."""
-    return [json.loads(raw) for raw in reversed(client.lrange(queue, 0, -1))]
+    """The messages on ``queue`` in delivery order: by priority, then oldest first
+    (kombu pushes on the left and pops on the right)."""
+    return [json.loads(raw) for key in priority_lists(queue) for raw in reversed(client.lrange(key, 0, -1))]
 
 
 def task_args(envelope: Mapping[str, Any]) -> list[Any]:

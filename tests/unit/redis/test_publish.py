@@ -75,7 +75,7 @@ def test_a_message_taken_but_not_acknowledged_goes_back_when_the_consumer_connec
         taken = Queue("asyncflow.alpha", channel=consumer.default_channel).get(no_ack=False)
         assert taken is not None
         assert StepMessage.from_payload(taken.decode()[0][0]) == message
-        assert redis_client.llen("asyncflow.alpha") == 0
+        assert envelopes(redis_client, "asyncflow.alpha") == []
         assert redis_client.hlen("unacked") == 1
     finally:
         consumer.close()
@@ -126,3 +126,20 @@ def test_an_empty_alert_command_publishes_no_alarm(
     make_publisher(alert_command="").alarm(alarm_of())
 
     assert redis_client.keys("*") == []
+
+
+def test_a_flow_under_way_is_delivered_before_new_ones_then_by_task_priority(
+    make_publisher: MakePublisher, redis_client: fakeredis.FakeRedis
+) -> None:
+    publisher = make_publisher()
+    sent = [
+        step_message("alpha", seq=1, task_id="new", cursor=0),
+        step_message("alpha", seq=2, task_id="urgent-new", cursor=0, priority=50),
+        step_message("alpha", seq=3, task_id="under-way", cursor=2),
+        step_message("alpha", seq=4, task_id="retrying", cursor=0, attempt=2),
+        step_message("alpha", seq=5, task_id="low-new", cursor=0, priority=-5),
+    ]
+    for message in sent:
+        publisher.publish(message)
+    delivered = [StepMessage.from_payload(task_args(e)[0]).task_id for e in envelopes(redis_client, "asyncflow.alpha")]
+    assert delivered == ["under-way", "retrying", "urgent-new", "new", "low-new"]
