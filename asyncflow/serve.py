@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from shared.config import Settings
 from shared.logs import setup_logging
@@ -99,18 +101,39 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGTERM when ``up`` dies, even by SIGKILL.
+
+    Linux's PR_SET_PDEATHSIG, set between fork and exec; it outlives the exec. A
+    child whose parent died before that is stopped at once. Elsewhere, nothing.
+    """
+    pr_set_pdeathsig = 1
+
+    def arm() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
 def run_all(settings: Settings, port: int, modules: list[str]) -> int:
     """`asyncflow up`: API, scheduler and one worker for every module, supervised."""
     setup_logging(settings.log_level, "up")
     upgrade(settings.resolved_database_url())
     env = dict(os.environ, ASYNCFLOW_MIGRATE_ON_START="false", ASYNCFLOW_API_PORT=str(port))
     cmd = [sys.executable, "-m", "asyncflow"]
+    die_with_us = _die_with_parent(os.getpid())
     children = {
-        "api": subprocess.Popen([*cmd, "api", "--port", str(port)], env=env),
-        "scheduler": subprocess.Popen([*cmd, "scheduler"], env=env),
+        "api": subprocess.Popen([*cmd, "api", "--port", str(port)], env=env, preexec_fn=die_with_us),
+        "scheduler": subprocess.Popen([*cmd, "scheduler"], env=env, preexec_fn=die_with_us),
     }
     if modules:  # none when every module is pull-mode (worked through the v1 API)
-        children["worker"] = subprocess.Popen([*cmd, "worker", *modules], env=env)
+        children["worker"] = subprocess.Popen([*cmd, "worker", *modules], env=env, preexec_fn=die_with_us)
     log.info(
         "asyncflow is up: API on http://%s:%d (docs at /docs), database %s, broker %s",
         settings.api_host, port, settings.resolved_database_url(), settings.resolved_broker_url(),
