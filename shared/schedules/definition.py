@@ -85,10 +85,9 @@ class Definition(BaseModel):
             found += [(name, "only with task_type") for name in ("task_stage", "task_content") if getattr(self, name)]
         if self.task_type is not None and self.parameters is not None:
             found.append(("parameters", "only with flow (a v1 task has task_content)"))
-        for name in ("run_at", "every", "start_at", "end_at", "jitter", "catchup_window"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                found.append((name, "must be a finite number"))
+        # The times of ``When`` are checked for finiteness by ``check``; this one is not in it.
+        if not math.isfinite(self.catchup_window):
+            found.append(("catchup_window", "must be a finite number"))
         if not found:
             try:
                 check(self.when())

@@ -18,7 +18,7 @@ from shared.config import Settings
 from shared.messaging import MAX_PRIORITY, CeleryPublisher, make_celery, queue_name
 from shared.task import StepMessage
 from tests.e2e.conftest import _drop_vhost, _rabbitmq_url
-from tests.unit.redis.support import step_message
+from tests.unit.redis.support import PRIORITY_ORDER, priority_examples
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -36,13 +36,7 @@ def test_started_flows_first_then_task_priority(broker_url: str, tmp_path: Path)
     settings = Settings(home=tmp_path, broker_url=broker_url)
     app = make_celery(settings)
     publisher = CeleryPublisher(app, settings)
-    sent = [
-        step_message("alpha", seq=1, task_id="new", cursor=0),
-        step_message("alpha", seq=2, task_id="urgent-new", cursor=0, priority=50),
-        step_message("alpha", seq=3, task_id="under-way", cursor=2),
-        step_message("alpha", seq=4, task_id="retrying", cursor=0, attempt=2),
-        step_message("alpha", seq=5, task_id="low-new", cursor=0, priority=-5),
-    ]
+    sent = priority_examples()
     for message in sent:
         publisher.publish(message)
 
@@ -53,7 +47,7 @@ def test_started_flows_first_then_task_priority(broker_url: str, tmp_path: Path)
             message = simple.get(timeout=10)
             delivered.append(StepMessage.from_payload(task_args_of(message.body)[0]).task_id)
             message.ack()
-    assert delivered == ["under-way", "retrying", "urgent-new", "new", "low-new"]
+    assert delivered == PRIORITY_ORDER
     app.close()
 
 

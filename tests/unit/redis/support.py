@@ -295,3 +295,18 @@ class Worker:
 
     def close(self) -> None:
         self.connection.close()
+
+
+def priority_examples() -> list[StepMessage]:
+    """Step messages of alpha in publish order; ``PRIORITY_ORDER`` is the order they must be delivered in."""
+    return [
+        step_message("alpha", seq=1, task_id="new", cursor=0),
+        step_message("alpha", seq=2, task_id="urgent-new", cursor=0, priority=50),
+        step_message("alpha", seq=3, task_id="under-way", cursor=2),
+        step_message("alpha", seq=4, task_id="retrying", cursor=0, attempt=2),
+        step_message("alpha", seq=5, task_id="low-new", cursor=0, priority=-5),
+    ]
+
+
+# A flow under way (a later step, a retry) first, then new flows by task priority.
+PRIORITY_ORDER = ["under-way", "retrying", "urgent-new", "new", "low-new"]

@@ -11,7 +11,14 @@ from kombu import Queue
 from shared.messaging import ALARM_TASK, STEP_TASK, CeleryPublisher, queue_name
 from shared.states import StepType
 from shared.task import Alarm, StepMessage
-from tests.unit.redis.support import envelopes, message_keys, step_message, task_args
+from tests.unit.redis.support import (
+    PRIORITY_ORDER,
+    envelopes,
+    message_keys,
+    priority_examples,
+    step_message,
+    task_args,
+)
 
 MakePublisher = Callable[..., CeleryPublisher]
 
@@ -132,14 +139,7 @@ def test_a_flow_under_way_is_delivered_before_new_ones_then_by_task_priority(
     make_publisher: MakePublisher, redis_client: fakeredis.FakeRedis
 ) -> None:
     publisher = make_publisher()
-    sent = [
-        step_message("alpha", seq=1, task_id="new", cursor=0),
-        step_message("alpha", seq=2, task_id="urgent-new", cursor=0, priority=50),
-        step_message("alpha", seq=3, task_id="under-way", cursor=2),
-        step_message("alpha", seq=4, task_id="retrying", cursor=0, attempt=2),
-        step_message("alpha", seq=5, task_id="low-new", cursor=0, priority=-5),
-    ]
-    for message in sent:
+    for message in priority_examples():
         publisher.publish(message)
     delivered = [StepMessage.from_payload(task_args(e)[0]).task_id for e in envelopes(redis_client, "asyncflow.alpha")]
-    assert delivered == ["under-way", "retrying", "urgent-new", "new", "low-new"]
+    assert delivered == PRIORITY_ORDER
