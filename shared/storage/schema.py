@@ -73,6 +73,44 @@ attempts = Table(
     Column("ended_at", Double),
     Column("outcome", String(16)),
     Column("error", Text),
+    # The process that ran it (shared.presence process id), its last heartbeat and
+    # the progress details the handler sent with it.
+    Column("worker", String(128)),
+    Column("heartbeat_at", Double),
+    Column("progress", Json),
+    # What the attempt merged into the task's parameters (a result, or PollLater's values).
+    Column("result", Json),
+)
+
+# What operators and callers did to a task (cancel, retry, resume, parameter
+# corrections), oldest first; the steps' own history is in af_attempts.
+task_events = Table(
+    "af_task_events",
+    metadata,
+    Column("event_id", Integer, primary_key=True, autoincrement=True),
+    Column("task_id", String(64), nullable=False),
+    Column("at", Double, nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("actor", String(128)),
+    Column("detail", Json, nullable=False),
+    Index("ix_af_task_events_task", "task_id", "event_id"),
+)
+
+# Every API, worker and scheduler process: what it is, when it was last seen alive
+# and a snapshot of its metrics, so one /metrics and the dashboard cover them all.
+processes = Table(
+    "af_processes",
+    metadata,
+    Column("process_id", String(128), primary_key=True),
+    Column("role", String(16), nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("detail", Json, nullable=False),
+    Column("metrics", Json, nullable=False),
+    Column("started_at", Double, nullable=False),
+    Column("seen_at", Double, nullable=False),
+    Column("stopped_at", Double),
+    Index("ix_af_processes_seen", "seen_at"),
 )
 
 # --- Asyncflow v1 pull-mode tasks (seed 000) -----------------------------------

@@ -22,6 +22,7 @@ from tests.integration.conftest import postgres_schema
 
 CORE_TABLES = {
     "af_tasks", "af_attempts", "af_task_types", "af_pull_tasks", "af_schedules", "af_schedule_runs", "af_leases",
+    "af_task_events", "af_processes",
 }
 
 
