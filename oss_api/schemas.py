@@ -123,6 +123,10 @@ class AttemptDocument(BaseModel):
     ended_at: float | None
     outcome: str | None
     error: str | None
+    worker: str | None = None
+    heartbeat_at: float | None = None
+    progress: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, a: AttemptRecord) -> AttemptDocument:
@@ -137,6 +141,10 @@ class AttemptDocument(BaseModel):
             ended_at=a.ended_at,
             outcome=a.outcome,
             error=a.error,
+            worker=a.worker,
+            heartbeat_at=a.heartbeat_at,
+            progress=dict(a.progress) if a.progress is not None else None,
+            result=dict(a.result) if a.result is not None else None,
         )
 
 

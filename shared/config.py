@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     # completes only once that step is known not to run, up to
     # record_start_after + expire_grace seconds later.
     record_start_after: float = Field(default=0.0, ge=0)
+    # Every process renews its registry row, and a worker each running attempt,
+    # this often; a running attempt not renewed for 3 intervals is lost and runs
+    # again, whatever its timeout.
+    heartbeat_interval: float = Field(default=5.0, gt=0)
     # How long a consumer keeps trying to store a finished attempt's outcome
     # while the database is down, before leaving it to the expiry sweep.
     outcome_patience: float = 60.0

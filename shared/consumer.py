@@ -9,6 +9,8 @@ own interruption into :class:`AttemptTimedOut`.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -18,7 +20,7 @@ from typing import Any
 from shared import metrics
 from shared.config import Settings
 from shared.module import Handler, Module, ModuleError, PermanentError, PollLater, StepContext
-from shared.saga import Failed, Started, Succeeded, stale
+from shared.saga import Failed, Heartbeat, Started, Succeeded, stale
 from shared.saga import PollLater as PollLaterEvent
 from shared.service import TaskNotFound, TaskService
 from shared.states import Phase, StepType
@@ -37,6 +39,64 @@ class AttemptTimedOut(Exception):
 
 def call(handler: Handler, ctx: StepContext) -> Outcome:
     return handler(ctx)
+
+
+def worker_name() -> str:
+    """Names the process running an attempt in the attempt log: host and pid."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Pulse:
+    """Keeps one running attempt alive while its handler works.
+
+    From a thread of the process running the handler: records the start if the
+    attempt outlives ``start_after`` (None: the start is recorded already), then
+    a Heartbeat every ``interval`` seconds with the handler's latest progress.
+    If the process dies, so does its pulse, and the sweep fails the attempt
+    after three missed heartbeats instead of at the end of its timeout.
+    """
+
+    def __init__(self, service: TaskService, message: StepMessage, start_after: float | None, interval: float) -> None:
+        self.service = service
+        self.message = message
+        self.start_after = start_after
+        self.interval = interval
+        self.progress: Mapping[str, Any] | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"pulse {message.task_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def report(self, progress: Mapping[str, Any]) -> None:
+        self.progress = dict(progress)
+
+    def _run(self) -> None:
+        start = Started(self.message.seq, heartbeats=True)
+        started = self.start_after is None or (
+            not self._stopped.wait(self.start_after) and self._apply(start, "its start")
+        )
+        if not started:
+            return
+        while not self._stopped.wait(self.interval):
+            if not self._apply(Heartbeat(self.message.seq, self.progress), "a heartbeat"):
+                return
+
+    def _apply(self, event: Started | Heartbeat, what: str) -> bool:
+        """Store ``event``; False once the attempt is no longer the task's running one."""
+        try:
+            decision = self.service.apply(self.message.task_id, event, worker=worker_name())
+        except Exception:  # the next heartbeat tries again; the outcome is recorded anyway
+            log.exception("recording %s failed", what, extra={"task_id": self.message.task_id})
+            return True
+        if decision.ignored:
+            return False
+        if isinstance(event, Heartbeat):
+            metrics.HEARTBEATS.labels(self.message.module).inc()
+        return True
 
 
 class StepConsumer:
@@ -72,7 +132,8 @@ class StepConsumer:
             return
         reason = stale(task, Started(message.seq), self.service.clock())
         if reason is None and self.settings.record_start_after <= 0:
-            decision = self.service.apply(message.task_id, Started(message.seq), known=task)
+            start = Started(message.seq, heartbeats=True)
+            decision = self.service.apply(message.task_id, start, known=task, worker=worker_name())
             reason, task = decision.ignored, decision.task  # ignored: another delivery started it first
         if reason:
             metrics.STALE.labels(message.module).inc()
@@ -84,25 +145,18 @@ class StepConsumer:
             log.info("step not started: its task is being cancelled", extra=log_extra)
             return
         started_at = self.service.clock()
-        record_start = None
-        if self.settings.record_start_after > 0:
-            record_start = threading.Timer(self.settings.record_start_after, self._record_start, (message,))
-            record_start.daemon = True
-            record_start.start()
+        start_after = self.settings.record_start_after
+        pulse = Pulse(self.service, message, start_after if start_after > 0 else None, self.settings.heartbeat_interval)
+        pulse.start()
         try:
-            event = self._attempt(message, task)
+            event = self._attempt(message, task, pulse.report)
         finally:
-            if record_start is not None:
-                record_start.cancel()
+            pulse.stop()
         self._store_outcome(message, replace(event, started_at=started_at), task)
 
-    def _record_start(self, message: StepMessage) -> None:
-        try:
-            self.service.apply(message.task_id, Started(message.seq))
-        except Exception:  # the outcome is recorded anyway; at worst the sweep publishes a copy
-            log.exception("recording the start of a long attempt failed", extra={"task_id": message.task_id})
-
-    def _attempt(self, message: StepMessage, task: Task) -> OutcomeEvent:
+    def _attempt(
+        self, message: StepMessage, task: Task, progress_sink: Callable[[Mapping[str, Any]], None] | None = None
+    ) -> OutcomeEvent:
         """Run the handler of ``message`` on the stored task; what happened, as a saga event."""
         ctx = StepContext(
             task_id=task.task_id,
@@ -113,6 +167,7 @@ class StepConsumer:
             # The stored Parameters, not the message copy: the database is the truth.
             parameters=dict(task.parameters),
             settings=self.settings,
+            progress_sink=progress_sink,
         )
         try:
             handler = self._handler(message)
@@ -159,7 +214,7 @@ class StepConsumer:
         """
         try:
             patiently(
-                lambda: self.service.apply(message.task_id, event, known=known),
+                lambda: self.service.apply(message.task_id, event, known=known, worker=worker_name()),
                 self.settings.outcome_patience,
                 "storing the outcome",
                 self.clock,

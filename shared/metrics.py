@@ -16,6 +16,12 @@ RETRIES = Counter("asyncflow_step_retries_total", "Failed attempts that will be 
 ROLLBACKS = Counter("asyncflow_rollbacks_total", "Rollback commands dispatched", ["flow", "module"])
 STALE = Counter("asyncflow_stale_messages_total", "Step messages ignored as duplicate or stale", ["module"])
 ALARMS = Counter("asyncflow_alarms_total", "Compensations that failed", ["flow", "module"])
+HEARTBEATS = Counter("asyncflow_step_heartbeats_total", "Running attempts renewed by their worker", ["module"])
+EXPIRED = Counter(
+    "asyncflow_attempts_expired_total",
+    "Running attempts failed by the sweep: worker silent (heartbeat) or past timeout + grace (deadline)",
+    ["reason"],
+)
 
 # The v1 API (pull-mode tasks), by task type.
 V1_CREATED = Counter("asyncflow_v1_tasks_created_total", "v1 tasks created", ["task_type"])

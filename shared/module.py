@@ -55,6 +55,17 @@ class StepContext:
     parameters: Mapping[str, Any]
     settings: Settings
     key: str | None = None  # set for deliveries that are not step attempts (alarms)
+    # Where heartbeat() reports to; None outside a worker (tests calling a handler).
+    progress_sink: Callable[[Mapping[str, Any]], None] | None = field(default=None, repr=False, compare=False)
+
+    def heartbeat(self, **progress: Any) -> None:
+        """Report progress of long work (JSON values), shown with the running attempt.
+
+        The worker keeps a running attempt alive on its own; this only says how
+        far it got. The latest report is stored with the next heartbeat.
+        """
+        if self.progress_sink is not None:
+            self.progress_sink(progress)
 
     @property
     def idempotency_key(self) -> str:

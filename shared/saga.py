@@ -17,6 +17,11 @@ next, whatever the phase: a waiting message is published (``Due``); a queued
 one that nobody started is published again (``Requeue``: lost in a crash
 between commit and publish, or by the broker); a running attempt with no outcome
 by its deadline counts as failed (``Expire``: its worker died or hangs).
+
+While an attempt runs, its worker renews it with ``Heartbeat`` every few
+seconds; for an attempt started with heartbeats, the sweep's deadline is its
+last heartbeat plus ``Timing.heartbeat_timeout`` (never past its own timeout
+plus grace), so a worker killed during a 30-minute step is noticed in seconds.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ class Timing:
     requeue_after: float = 30.0  # queued, not started: publish again
     expire_grace: float = 15.0  # running past timeout + this: a lost attempt
     publish_retry: float = 2.0  # a publish failed: try again this soon
+    # Above 0: a running attempt whose worker sends no Heartbeat for this long is
+    # lost (0: only its timeout + expire_grace bounds it).
+    heartbeat_timeout: float = 0.0
     # 0: a consumer records an attempt's start before it runs the handler. Else a
     # consumer running a queued message records its start (or its outcome) within
     # this many seconds, so a cancelled message still queued after it never ran.
@@ -88,6 +96,17 @@ class Expire:
 @dataclass(frozen=True)
 class Started:
     seq: int
+    # The attempt's worker sends Heartbeats: it is lost once they stop. Else only
+    # its timeout bounds it (a v1 worker that did not opt in).
+    heartbeats: bool = False
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The worker running the attempt is alive; ``progress`` is what its handler last reported."""
+
+    seq: int
+    progress: Mapping[str, Any] | None = None
 
 
 # Outcomes carry ``started_at`` when the attempt's start was not recorded with
@@ -133,7 +152,7 @@ class Resume:
     pass
 
 
-StepEvent = Due | Requeue | PublishFailed | Expire | Started | Succeeded | Failed | PollLater
+StepEvent = Due | Requeue | PublishFailed | Expire | Started | Heartbeat | Succeeded | Failed | PollLater
 Event = Submit | StepEvent | Cancel | Retry | Resume
 
 # The phase the outstanding message must be in for each step event to apply.
@@ -143,6 +162,7 @@ _EXPECTED_PHASE: dict[type, Phase] = {
     PublishFailed: Phase.QUEUED,
     Expire: Phase.RUNNING,
     Started: Phase.QUEUED,
+    Heartbeat: Phase.RUNNING,
     Succeeded: Phase.RUNNING,
     Failed: Phase.RUNNING,
     PollLater: Phase.RUNNING,
@@ -186,19 +206,16 @@ def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING
     if isinstance(event, PublishFailed):
         return Decision(replace(task, active=replace(active, due_at=now + timing.publish_retry)))
     if isinstance(event, Started):
-        return _started(task, now, timing)
+        return _started(task, now, timing, event.heartbeats)
+    if isinstance(event, Heartbeat):
+        return _heartbeat(task, now, timing)
     start = unrecorded_start(event)
     if start is not None and active.phase is Phase.QUEUED:
         task = _started(task, start, timing).task
     if isinstance(event, Succeeded):
         return _succeeded(task, event, now, timing)
     if isinstance(event, Expire):
-        action = task.steps[active.cursor].action(active.type)
-        error = (
-            f"no outcome within {action.timeout:g}s + {timing.expire_grace:g}s grace "
-            "(its worker was lost or stalled)"
-        )
-        return _failed(task, Failed(event.seq, error, timed_out=True), now, timing)
+        return _failed(task, expiry(task, now, timing), now, timing)
     if isinstance(event, Failed):
         return _failed(task, event, now, timing)
     return _poll_later(task, event, now, timing)
@@ -298,7 +315,7 @@ def _publish_again(task: Task, now: float, timing: Timing) -> Decision:
     return Decision(task, messages=(message_for(task),))
 
 
-def _started(task: Task, now: float, timing: Timing) -> Decision:
+def _started(task: Task, now: float, timing: Timing, heartbeats: bool = False) -> Decision:
     active = task.active
     assert active is not None
     step = task.steps[active.cursor]
@@ -318,9 +335,45 @@ def _started(task: Task, now: float, timing: Timing) -> Decision:
         )
     if task.status is TaskStatus.PENDING:
         task = replace(task, status=TaskStatus.RUNNING, started_at=now)
-    deadline = now + step.action(active.type).timeout + timing.expire_grace
-    active = replace(active, phase=Phase.RUNNING, started_at=now, due_at=deadline)
-    return Decision(replace(task, active=active))
+    active = replace(active, phase=Phase.RUNNING, started_at=now)
+    due_at = _running_deadline(task, active, now, timing) if heartbeats else _deadline(task, active, timing)
+    return Decision(replace(task, active=replace(active, due_at=due_at)))
+
+
+def _deadline(task: Task, active: Active, timing: Timing) -> float:
+    """When a running attempt counts as failed however alive its worker is."""
+    assert active.started_at is not None
+    return active.started_at + task.steps[active.cursor].action(active.type).timeout + timing.expire_grace
+
+
+def _running_deadline(task: Task, active: Active, now: float, timing: Timing) -> float:
+    """When the sweep must look at a running attempt heard from at ``now``."""
+    deadline = _deadline(task, active, timing)
+    if timing.heartbeat_timeout > 0:
+        return min(deadline, now + timing.heartbeat_timeout)
+    return deadline
+
+
+def _heartbeat(task: Task, now: float, timing: Timing) -> Decision:
+    active = task.active
+    assert active is not None
+    # Stored even when the deadline stays (capped, or a coarse clock): the heartbeat's
+    # time and progress go to the attempt log with it.
+    due_at = _running_deadline(task, active, now, timing)
+    return Decision(replace(task, active=replace(active, due_at=due_at)))
+
+
+def expiry(task: Task, now: float, timing: Timing) -> Failed:
+    """The failure a running attempt with no outcome by its due time counts as."""
+    active = task.active
+    assert active is not None
+    action = task.steps[active.cursor].action(active.type)
+    if timing.heartbeat_timeout > 0 and now < _deadline(task, active, timing):
+        # Still within its time: its worker went silent (killed, host lost).
+        error = f"worker lost: no heartbeat for {timing.heartbeat_timeout:g}s"
+        return Failed(active.seq, error)
+    error = f"no outcome within {action.timeout:g}s + {timing.expire_grace:g}s grace (its worker was lost or stalled)"
+    return Failed(active.seq, error, timed_out=True)
 
 
 def _succeeded(task: Task, event: Succeeded, now: float, timing: Timing) -> Decision:

@@ -24,6 +24,7 @@ from shared.saga import (
     Event,
     Expire,
     Failed,
+    Heartbeat,
     PollLater,
     PublishFailed,
     Started,
@@ -31,6 +32,7 @@ from shared.saga import (
     Succeeded,
     Timing,
     decide,
+    expiry,
     unrecorded_start,
 )
 from shared.states import Phase, StepType
@@ -45,7 +47,17 @@ def timing_of(settings: Settings) -> Timing:
     """The saga's time bounds from the settings; every process must agree on them."""
     s = settings
     start_recorded_within = s.record_start_after + s.expire_grace if s.record_start_after > 0 else 0.0
-    return Timing(s.requeue_after, s.expire_grace, s.publish_retry, start_recorded_within)
+    return Timing(
+        requeue_after=s.requeue_after,
+        expire_grace=s.expire_grace,
+        publish_retry=s.publish_retry,
+        heartbeat_timeout=HEARTBEATS_MISSED * s.heartbeat_interval,
+        start_recorded_within=start_recorded_within,
+    )
+
+
+# A running attempt is lost once this many heartbeats in a row have not come.
+HEARTBEATS_MISSED = 3
 
 
 class ServiceError(Exception):
@@ -127,19 +139,20 @@ class TaskService:
 
     # --- transitions ---------------------------------------------------------
 
-    def apply(self, task_id: str, event: Event, known: Task | None = None) -> Decision:
+    def apply(self, task_id: str, event: Event, known: Task | None = None, worker: str | None = None) -> Decision:
         """Decide ``event`` against the stored task and persist the result atomically.
 
         ``known`` is a copy the caller just stored (a consumer between the start
         and the outcome of an attempt): it saves a read, and if it is out of date
-        the compare-and-set fails and the task is read again.
+        the compare-and-set fails and the task is read again. ``worker`` names the
+        process reporting a step event, for the attempt log.
         """
         now = self.clock()
 
         def write(task: Task, decision: Decision) -> bool | None:
             if decision.ignored or decision.task is task:
                 return None
-            return self.store.save(decision.task, now, _attempt_record(task, event, now))
+            return self.store.save(decision.task, now, _attempt_record(task, event, now, self.timing, worker))
 
         before, decision = compare_and_set(
             f"task {task_id}",
@@ -151,6 +164,8 @@ class TaskService:
         )
         if decision.ignored or decision.task is before:
             return decision
+        if isinstance(event, Expire):
+            metrics.EXPIRED.labels("deadline" if expiry(before, now, self.timing).timed_out else "heartbeat").inc()
         # What is stored now, version included, for the caller's next ``known``.
         return replace(decision, task=replace(decision.task, version=before.version + 1))
 
@@ -224,10 +239,12 @@ class TaskService:
         return self.store.attempts(task_id)
 
 
-def _attempt_record(task: Task, event: Event, now: float) -> AttemptRecord | None:
+def _attempt_record(
+    task: Task, event: Event, now: float, timing: Timing, worker: str | None = None
+) -> AttemptRecord | None:
     """The attempt-log write that goes with an accepted step event."""
     active = task.active
-    if active is None or not isinstance(event, Started | Succeeded | Failed | PollLater | Expire):
+    if active is None or not isinstance(event, Started | Heartbeat | Succeeded | Failed | PollLater | Expire):
         return None
     action = task.steps[active.cursor].action(active.type)
     base = AttemptRecord(
@@ -240,15 +257,18 @@ def _attempt_record(task: Task, event: Event, now: float) -> AttemptRecord | Non
         command=action.command,
         # An outcome of an attempt whose start was not recorded writes the whole attempt at once.
         started_at=unrecorded_start(event) if active.phase is Phase.QUEUED else None,
+        worker=worker,
     )
     if isinstance(event, Started):
         return replace(base, started_at=now)
+    if isinstance(event, Heartbeat):
+        return replace(base, heartbeat_at=now, progress=event.progress)
     if isinstance(event, Succeeded):
-        return replace(base, ended_at=now, outcome="succeeded")
+        return replace(base, ended_at=now, outcome="succeeded", result=dict(event.result))
     if isinstance(event, PollLater):
-        return replace(base, ended_at=now, outcome="poll_later")
+        return replace(base, ended_at=now, outcome="poll_later", result=dict(event.parameters))
     if isinstance(event, Expire):
-        return replace(base, ended_at=now, outcome="expired", error="no outcome by the deadline")
+        return replace(base, ended_at=now, outcome="expired", error=expiry(task, now, timing).error)
     outcome = "timed_out" if event.timed_out else "failed"
     return replace(base, ended_at=now, outcome=outcome, error=event.error)
 

@@ -6,9 +6,9 @@ import abc
 import builtins
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from shared.pull.rules import PullTask, TaskType
 from shared.retry import reconnect_delay
@@ -74,8 +74,20 @@ class AttemptRecord:
     command: str
     started_at: float | None = None
     ended_at: float | None = None
-    outcome: str | None = None  # succeeded, failed, timed_out, poll_later
+    outcome: str | None = None  # succeeded, failed, timed_out, poll_later, expired
     error: str | None = None
+    worker: str | None = None  # the process that ran it (shared.presence)
+    heartbeat_at: float | None = None
+    progress: Mapping[str, Any] | None = None  # what the handler last reported with a heartbeat
+    result: Mapping[str, Any] | None = None  # what it merged into the task's parameters
+
+    @property
+    def write(self) -> str:
+        """How it is stored: "insert" (a start, or a whole attempt whose start was not
+        recorded), "outcome" (the end of a started one) or "heartbeat"."""
+        if self.started_at is not None:
+            return "insert"
+        return "outcome" if self.outcome is not None else "heartbeat"
 
 
 @dataclass(frozen=True)
@@ -106,9 +118,8 @@ class TaskStore(abc.ABC):
         """Store ``task`` if the stored version still equals ``task.version``.
 
         Returns False when another transition got there first (nothing written).
-        ``attempt`` is written in the same transaction: inserted when it carries
-        ``started_at`` (a start, or a whole attempt whose start was not recorded),
-        else its outcome updates the attempt already stored.
+        ``attempt`` is written in the same transaction, as its ``write`` says:
+        inserted, or its outcome or heartbeat updating the attempt already stored.
         """
 
     @abc.abstractmethod

@@ -59,9 +59,15 @@ class InMemoryStore(TaskStore):
             if attempt is not None:
                 key = (attempt.task_id, attempt.seq)
                 previous = self._attempts.get(key)
-                if previous is not None and attempt.started_at is None:
-                    attempt = replace(attempt, started_at=previous.started_at)
-                self._attempts[key] = attempt
+                if previous is not None and attempt.write == "outcome":
+                    attempt = replace(
+                        previous, ended_at=attempt.ended_at, outcome=attempt.outcome,
+                        error=attempt.error, result=attempt.result,
+                    )
+                elif previous is not None and attempt.write == "heartbeat":
+                    attempt = replace(previous, heartbeat_at=attempt.heartbeat_at, progress=attempt.progress)
+                if previous is not None or attempt.write == "insert":
+                    self._attempts[key] = attempt
             return True
 
     def list(self, where: TaskFilter) -> list[Task]:

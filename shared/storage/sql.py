@@ -109,9 +109,9 @@ class SqlStore(TaskStore):
             if conn.execute(SAVE_TASK, _saved(task, now)).rowcount != 1:
                 return False
             if attempt is not None:
-                # A new attempt (its start, or all of it at once) or the outcome of a started one.
-                new = attempt.started_at is not None
-                conn.execute(INSERT_ATTEMPT if new else UPDATE_ATTEMPT, _attempt_params(attempt))
+                kind = attempt.write
+                statement = INSERT_ATTEMPT if kind == "insert" else UPDATE_ATTEMPT[kind]
+                conn.execute(statement, _attempt_params(attempt))
         return True
 
     def list(self, where: TaskFilter) -> list[Task]:
@@ -177,6 +177,10 @@ def _attempt_row(a: AttemptRecord) -> dict[str, Any]:
         "ended_at": a.ended_at,
         "outcome": a.outcome,
         "error": a.error,
+        "worker": a.worker,
+        "heartbeat_at": a.heartbeat_at,
+        "progress": a.progress,
+        "result": a.result,
     }
 
 
@@ -210,7 +214,7 @@ class PostgresStore(SqlStore):
         params = _saved(task, now)
         kind = "none"
         if attempt is not None:
-            kind = "insert" if attempt.started_at is not None else "update"
+            kind = attempt.write
             params |= _attempt_params(attempt)
         with self.transaction(autocommit=True) as conn:  # one statement: atomic on its own
             return bool(conn.execute(SAVE_IN_ONE_STATEMENT[kind], params).scalar_one() == 1)

@@ -30,12 +30,23 @@ SAVE_TASK = (
 INSERT_ATTEMPT = insert(attempts).values(
     {name: bindparam("a_" + name, type_=attempts.c[name].type) for name in ATTEMPT_COLUMNS}
 )
-_OUTCOME = {name: bindparam("a_" + name, type_=attempts.c[name].type) for name in ("ended_at", "outcome", "error")}
-UPDATE_ATTEMPT = (
-    update(attempts)
+
+
+def _attempt_values(*names: str) -> dict[str, Any]:
+    return {name: bindparam("a_" + name, type_=attempts.c[name].type) for name in names}
+
+
+# What each kind of attempt write (AttemptRecord.write) sets on the stored attempt.
+_UPDATES = {
+    "outcome": _attempt_values("ended_at", "outcome", "error", "result"),
+    "heartbeat": _attempt_values("heartbeat_at", "progress"),
+}
+UPDATE_ATTEMPT = {
+    kind: update(attempts)
     .where(attempts.c.task_id == bindparam("a_task_id"), attempts.c.seq == bindparam("a_seq"))
-    .values(_OUTCOME)
-)
+    .values(values)
+    for kind, values in _UPDATES.items()
+}
 
 
 def _save_in_one_statement() -> dict[str, Any]:
@@ -50,16 +61,15 @@ def _save_in_one_statement() -> dict[str, Any]:
         list(ATTEMPT_COLUMNS),
         select(*(bindparam("a_" + c.name, type_=c.type) for c in attempts.columns)).select_from(changed),
     )
-    outcome = (
-        update(attempts)
-        .where(attempts.c.task_id == changed.c.task_id, attempts.c.seq == bindparam("a_seq"))
-        .values(_OUTCOME)
-    )
-    return {
-        "none": counted,
-        "insert": counted.add_cte(new_attempt.cte("attempt")),
-        "update": counted.add_cte(outcome.cte("attempt")),
-    }
+    statements = {"none": counted, "insert": counted.add_cte(new_attempt.cte("attempt"))}
+    for kind, values in _UPDATES.items():
+        change = (
+            update(attempts)
+            .where(attempts.c.task_id == changed.c.task_id, attempts.c.seq == bindparam("a_seq"))
+            .values(values)
+        )
+        statements[kind] = counted.add_cte(change.cte("attempt"))
+    return statements
 
 
 SAVE_IN_ONE_STATEMENT = _save_in_one_statement()

@@ -229,6 +229,32 @@ class TestTaskStoreContract:
         assert store.save(replace(task, message="stale"), NOW + 3, update_of_stale) is False
         assert store.attempts(task.task_id) == [whole]
 
+    def test_heartbeats_update_the_started_attempt_and_keep_its_worker(self, store: TaskStore) -> None:
+        task, _ = store.create(submitted(), NOW)
+        kind = dict(task_id=task.task_id, seq=1, cursor=0, type=StepType.NORMAL, attempt=1, module="m", command="c")
+        started = AttemptRecord(**kind, started_at=NOW + 1, worker="host:41")
+        assert started.write == "insert"
+        assert store.save(replace(task, status=TaskStatus.RUNNING), NOW + 1, started)
+        for beat, progress in ((2, {"rows": 10}), (3, {"rows": 20, "of": [1, "x"]})):
+            task = store.get(task.task_id)
+            assert task is not None
+            heartbeat = AttemptRecord(**kind, heartbeat_at=NOW + beat, progress=progress, worker="host:41")
+            assert heartbeat.write == "heartbeat"
+            assert store.save(task, NOW + beat, heartbeat)
+        [stored] = store.attempts(task.task_id)
+        assert stored == replace(started, heartbeat_at=NOW + 3, progress={"rows": 20, "of": [1, "x"]})
+
+        task = store.get(task.task_id)
+        assert task is not None
+        done = AttemptRecord(**kind, ended_at=NOW + 4, outcome="succeeded", result={"Cpu": 4, "ok": True})
+        assert store.save(task, NOW + 4, done)
+        [stored] = store.attempts(task.task_id)
+        # The outcome keeps what the start and the heartbeats wrote.
+        assert stored == replace(
+            started, heartbeat_at=NOW + 3, progress={"rows": 20, "of": [1, "x"]},
+            ended_at=NOW + 4, outcome="succeeded", result={"Cpu": 4, "ok": True},
+        )
+
     # --- list -----------------------------------------------------------------------------
 
     def test_list_is_newest_first_and_filters_by_flow_status_user_and_limit(self, store: TaskStore) -> None:

@@ -9,7 +9,8 @@ Parameters read (cursor = step index):
   poll: {"cursor": n}          the normal command answers "poll later" n times first
   hang_first: [cursors]        blocks on the first attempt only
   fail_if_exists: {"cursor": path}  fails while that file exists
-  wait_for_file: {"cursor": path}   works until that file exists (an external job)
+  wait_for_file: {"cursor": path}   works until that file exists (an external job), reporting
+                               progress with heartbeats
   kill_worker_after: {"cursor": path}  once (while that file does not exist): does the work,
                                creates the file, then SIGKILLs its worker process and itself,
                                before the outcome can be stored
@@ -56,6 +57,7 @@ def _do(ctx: StepContext) -> dict[str, Any] | PollLater:
         threading.Event().wait()
     signal_file = p.get("wait_for_file", {}).get(key)
     while signal_file and not os.path.exists(signal_file):
+        ctx.heartbeat(waiting_for=signal_file)
         threading.Event().wait(0.05)
     guard = p.get("fail_if_exists", {}).get(key)
     if guard and os.path.exists(guard):

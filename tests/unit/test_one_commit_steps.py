@@ -210,3 +210,33 @@ def test_a_cancel_while_a_quick_step_runs_compensates_it_and_the_steps_before(tm
     done = h.service.get(task.task_id)
     assert done.status is TaskStatus.CANCELLED
     assert ran == [(0, 0), (1, 0), (1, 1), (0, 1)]  # step 1 ran, so it is compensated too
+
+
+@pytest.mark.parametrize("record_start_after", [0.0, 0.1])
+def test_a_long_attempt_is_kept_alive_with_heartbeats_carrying_its_progress(
+    tmp_path: Path, record_start_after: float
+) -> None:
+    def reporting(ctx: StepContext) -> dict[str, Any]:
+        if ctx.cursor == 1:
+            ctx.heartbeat(rows=7)
+
+            def stored_progress() -> Any:
+                running = [a for a in h.store.attempts(ctx.task_id) if a.cursor == 1]
+                return running and running[0].heartbeat_at is not None and running[0].progress
+
+            # Inside the handler: the worker's heartbeats renew the attempt while it works.
+            assert wait_for(stored_progress, 10, "a heartbeat with the handler's progress") == {"rows": 7}
+        return {}
+
+    module = Module("m")
+    for i in range(3):
+        module.command(f"do{i}")(reporting)
+        module.command(f"undo{i}")(lambda ctx: None)
+    settings = Settings(home=tmp_path, record_start_after=record_start_after, heartbeat_interval=0.05)
+    h = Harness(FlowSet({"f": FLOW}, {}, "test"), {"m": module}, CountingStore(), settings)
+    task, _ = h.service.submit("f", {})
+    h.run()
+    assert h.service.get(task.task_id).status is TaskStatus.SUCCESS
+    step1 = [a for a in h.service.attempts(task.task_id) if a.cursor == 1]
+    assert [(a.outcome, a.progress) for a in step1] == [("succeeded", {"rows": 7})]
+    assert step1[0].worker and step1[0].heartbeat_at is not None

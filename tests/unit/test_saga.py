@@ -12,6 +12,7 @@ from shared.saga import (
     Due,
     Expire,
     Failed,
+    Heartbeat,
     InvalidAction,
     PollLater,
     PublishFailed,
@@ -243,3 +244,55 @@ def test_expired_attempt_counts_as_failed_and_late_outcome_is_ignored() -> None:
     assert d.task.active.attempt == 2 and d.task.steps[0].code == StepCode.TIMED_OUT
     assert "no outcome within 10s" in d.task.steps[0].message
     assert decide(d.task, Succeeded(seq), 216.0).ignored  # the lost worker came back too late
+
+
+HEARTBEATS = Timing(expire_grace=5.0, heartbeat_timeout=3.0)
+
+
+def test_heartbeats_renew_a_running_attempt_up_to_its_own_deadline() -> None:
+    task = submitted(flow(1))  # step timeout 10
+    seq = task.active.seq
+    task = decide(task, Started(seq, heartbeats=True), 200.0, HEARTBEATS).task
+    assert task.active.due_at == 203.0  # silent for 3 s: lost
+    for now in (202.0, 204.0, 206.0, 208.0, 210.0, 212.0):
+        task = decide(task, Heartbeat(seq, {"done": now}), now, HEARTBEATS).task
+        assert task.active.due_at == min(now + 3.0, 215.0)  # started + timeout 10 + grace 5
+    assert decide(task, Heartbeat(seq), 214.0, HEARTBEATS).task.active.due_at == 215.0  # capped
+
+
+def test_an_attempt_whose_heartbeats_stop_fails_as_lost_and_is_retried() -> None:
+    task = submitted(flow(1))
+    seq = task.active.seq
+    task = decide(task, Started(seq, heartbeats=True), 200.0, HEARTBEATS).task
+    task = decide(task, Heartbeat(seq), 201.0, HEARTBEATS).task
+    assert decide(task, Expire(seq), 203.9, HEARTBEATS).ignored  # not due yet
+    d = decide(task, Expire(seq), 204.0, HEARTBEATS)
+    step = d.task.steps[0]
+    assert step.code == StepCode.FAILED and step.message == "worker lost: no heartbeat for 3s"
+    assert d.task.active.attempt == 2
+    assert decide(d.task, Heartbeat(seq), 204.5, HEARTBEATS).ignored  # the old attempt's worker is gone
+
+
+def test_heartbeats_do_not_outlast_the_timeout() -> None:
+    task = submitted(flow(1))
+    seq = task.active.seq
+    task = decide(task, Started(seq, heartbeats=True), 200.0, HEARTBEATS).task
+    for now in range(201, 215):
+        task = decide(task, Heartbeat(seq), float(now), HEARTBEATS).task
+    d = decide(task, Expire(seq), 215.0, HEARTBEATS)
+    assert d.task.steps[0].code == StepCode.TIMED_OUT and "no outcome within 10s" in d.task.steps[0].message
+
+
+def test_a_heartbeat_only_applies_to_a_running_attempt() -> None:
+    task = submitted(flow(1))
+    seq = task.active.seq
+    assert "while it is queued" in (decide(task, Heartbeat(seq), 201.0, HEARTBEATS).ignored or "")
+    running = decide(task, Started(seq, heartbeats=True), 200.0, HEARTBEATS).task
+    assert decide(running, Heartbeat(seq + 1), 201.0, HEARTBEATS).ignored
+
+
+def test_an_attempt_started_without_heartbeats_is_bounded_by_its_timeout_only() -> None:
+    # A v1 worker that did not opt in: silence is not loss.
+    task = submitted(flow(1))
+    task = decide(task, Started(task.active.seq), 200.0, HEARTBEATS).task
+    assert task.active.due_at == 215.0

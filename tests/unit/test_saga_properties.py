@@ -14,6 +14,7 @@ from shared.saga import (
     Event,
     Expire,
     Failed,
+    Heartbeat,
     PollLater,
     Requeue,
     Started,
@@ -44,7 +45,12 @@ OUTCOMES = ["ok", "fail", "timeout", "poll", "duplicate", "cancel", "requeue", "
 
 
 # Starts recorded before each attempt, or (one commit per step) mostly with the outcome.
-TIMINGS = {"start-first": Timing(), "one-commit": Timing(start_recorded_within=16.0)}
+# With heartbeats, a running attempt is renewed by its worker and expires when they stop.
+TIMINGS = {
+    "start-first": Timing(),
+    "one-commit": Timing(start_recorded_within=16.0),
+    "heartbeats": Timing(heartbeat_timeout=15.0),
+}
 
 
 @pytest.mark.parametrize("mode", list(TIMINGS))
@@ -106,9 +112,17 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
         if one_commit and outcome != "expire" and data.draw(st.booleans()):
             start = now - 0.5  # the outcome records the start too
         else:
-            started = decide(task, Started(active.seq), now)
+            started = decide(task, Started(active.seq, heartbeats=timing.heartbeat_timeout > 0), now)
             assert not started.ignored and not started.messages
             task = started.task
+            deadline = now + task.steps[active.cursor].action(active.type).timeout + timing.expire_grace
+            for _ in range(data.draw(st.integers(0, 3)) if timing.heartbeat_timeout else 0):
+                now += 5
+                beat = decide(task, Heartbeat(active.seq, {"done": now}), now)
+                # Renewed, never past its own deadline, nothing sent.
+                assert not beat.ignored and not beat.messages
+                assert beat.task.active.due_at == min(deadline, now + timing.heartbeat_timeout)
+                task = beat.task
         seen_seqs.append(active.seq)
         if outcome == "poll" and polls < 5:
             polls += 1
@@ -155,7 +169,7 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
     for seq in seen_seqs + [task.seq + 1]:
         late_events: tuple[Event, ...] = (
             Started(seq), Succeeded(seq), Succeeded(seq, started_at=now), Failed(seq, "late", started_at=now),
-            Failed(seq, "late"), Due(seq), Requeue(seq), Expire(seq),
+            Failed(seq, "late"), Due(seq), Requeue(seq), Expire(seq), Heartbeat(seq),
         )
         for event in late_events:
             late = decide(task, event, now)
