@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 # instead of a refused set_task that leaves the task leased until it times out.
 MAX_CONTENT = 4096
 MAX_LOG = 4096
-PENDING, SUCCESS, FAILED = 1, 3, 4
+PENDING, RUNNING, SUCCESS, FAILED = 1, 2, 3, 4
 MIN_POLL_INTERVAL = 0.05  # schedule_interval 0 means "poll often", not "spin"
 
 
@@ -120,6 +120,10 @@ class Worker:
     ``schedule_interval`` from the server (1 s when that fails).
     ``http``: an ``httpx.Client`` to use (its base URL is ignored: paths are
     absolute); by default one is made with connect retries.
+    ``heartbeat``: while a handler runs, report it alive (set_task status 2) every
+    third of the server's heartbeat timeout; the server then ends a lease whose
+    reports stop within that timeout (a killed worker's tasks run again in
+    seconds) instead of after max_processing_time.
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class Worker:
         poll_interval: float | None = None,
         drain_timeout: float = 30.0,
         http: httpx.Client | None = None,
+        heartbeat: bool = False,
     ) -> None:
         if max_threads < 1:
             raise ValueError("max_threads must be at least 1")
@@ -142,6 +147,7 @@ class Worker:
         self.backlog_limit = backlog_limit if backlog_limit is not None else 2 * max_threads
         self.poll_interval = poll_interval
         self.drain_timeout = drain_timeout
+        self.heartbeat = heartbeat
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._own_http = http is None
         self.http = http or httpx.Client(timeout=30, transport=httpx.HTTPTransport(retries=3))
@@ -201,10 +207,15 @@ class Worker:
         if self.backlog >= self.backlog_limit:
             log.debug("backlog %d >= %d: not pulling %s", self.backlog, self.backlog_limit, self.task_type)
             return []
-        tasks = self.call("POST", "hold_tasks", json={"task_type": self.task_type})["task_list"]
+        body: dict[str, Any] = {"task_type": self.task_type}
+        if self.heartbeat:
+            body["heartbeat"] = True
+        answer = self.call("POST", "hold_tasks", json=body)
+        tasks = answer["task_list"]
+        beat_every = float(answer["heartbeat_timeout"]) / 3 if self.heartbeat else None
         futures = []
         for task in tasks:
-            future = self._pool.submit(self._execute, task)
+            future = self._pool.submit(self._execute, task, beat_every)
             with self._lock:
                 self._inflight[future] = task["task_id"]
             future.add_done_callback(self._forget)
@@ -269,7 +280,7 @@ class Worker:
 
     # -- one job ---------------------------------------------------------------------
 
-    def _execute(self, task: dict[str, Any]) -> Outcome:
+    def _execute(self, task: dict[str, Any], beat_every: float | None = None) -> Outcome:
         job = Job(
             task_id=task["task_id"],
             task_type=task.get("task_type", self.task_type),
@@ -281,18 +292,35 @@ class Worker:
             schedule_log=task.get("schedule_log") or "",
         )
         handler = self._handlers.get(job.stage)
-        if handler is None:
-            outcome: Outcome = Retry(f"no handler for stage {job.stage!r} in this worker")
-        else:
-            try:
-                outcome = handler(job)
-                if not isinstance(outcome, Done | NextStage | PollAgain | Retry):
-                    outcome = Retry(f"handler returned {type(outcome).__name__}, not an outcome")
-            except Exception as exc:  # a failed attempt: the server retries per the type's policy
-                log.exception("task %s stage %r failed", job.task_id, job.stage)
-                outcome = Retry(f"{type(exc).__name__}: {exc}")
+        done = threading.Event()
+        if beat_every is not None:
+            threading.Thread(target=self._beat, args=(job.task_id, beat_every, done), daemon=True).start()
+        try:
+            if handler is None:
+                outcome: Outcome = Retry(f"no handler for stage {job.stage!r} in this worker")
+            else:
+                try:
+                    outcome = handler(job)
+                    if not isinstance(outcome, Done | NextStage | PollAgain | Retry):
+                        outcome = Retry(f"handler returned {type(outcome).__name__}, not an outcome")
+                except Exception as exc:  # a failed attempt: the server retries per the type's policy
+                    log.exception("task %s stage %r failed", job.task_id, job.stage)
+                    outcome = Retry(f"{type(exc).__name__}: {exc}")
+        finally:
+            done.set()
         self._report(job.task_id, _report(job, outcome))
         return outcome
+
+    def _beat(self, task_id: str, every: float, done: threading.Event) -> None:
+        """Report the job alive until it is done, or until the server says its lease is over."""
+        while not done.wait(every):
+            try:
+                self.call("POST", "set_task", json={"task_data": {"task_id": task_id, "status": RUNNING}})
+            except ApiError as exc:
+                log.warning("heartbeat for %s refused, stopping its heartbeats: %s", task_id, exc)
+                return
+            except httpx.HTTPError as exc:  # the next one may get through before the lease ends
+                log.warning("heartbeat for %s failed: %s", task_id, exc)
 
     def _report(self, task_id: str, data: dict[str, Any]) -> None:
         try:

@@ -96,6 +96,9 @@ class RegisterTask(_Body):
 
 class HoldTasks(_Body):
     task_type: str = Field(pattern=NAME)
+    # Opt-in liveness: the worker reports status 2 while it works, and a lease whose
+    # reports stop ends after the answer's heartbeat_timeout.
+    heartbeat: bool = False
 
 
 class SetTaskData(_Body):
@@ -259,7 +262,10 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         who = request_caller(request)
         def call(body: HoldTasks) -> dict[str, Any]:
             admin(who)
-            return ok(task_list=[task_json(t) for t in service().hold(body.task_type)])
+            held = [task_json(t) for t in service().hold(body.task_type, body.heartbeat)]
+            if body.heartbeat:
+                return ok(task_list=held, heartbeat_timeout=service().heartbeat_timeout)
+            return ok(task_list=held)
 
         return await _post(request, HoldTasks, call)
 

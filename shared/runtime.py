@@ -84,7 +84,8 @@ class Runtime:
         steps = None
         if self.flows.pull_modules():
             steps = StepLeases(self.service, self.pull_store, self.flows, self.settings.expire_grace)
-        return PullService(self.pull_store, clock=self.clock, steps=steps)
+        heartbeat_timeout = timing_of(self.settings).heartbeat_timeout
+        return PullService(self.pull_store, clock=self.clock, steps=steps, heartbeat_timeout=heartbeat_timeout)
 
     def load_modules(self, names: list[str]) -> dict[str, Module]:
         """Import ``names`` and check they provide every command the flows use."""

@@ -70,6 +70,16 @@ class PullTask:
     create_time: float
     modify_time: float
     version: int = 0
+    # Leased by a worker that sends heartbeats (set_task status 2): the lease ends this
+    # long after its last report. None: max_processing_time after it.
+    heartbeat_timeout: float | None = None
+
+    @property
+    def lease_until(self) -> float | None:
+        """When a running task's lease ends; None when it is not running."""
+        if self.status is not PullStatus.RUNNING:
+            return None
+        return self.modify_time + (self.heartbeat_timeout or self.max_processing_time)
 
 
 @dataclass(frozen=True)
@@ -111,8 +121,8 @@ def new_pull_task(
     )
 
 
-def leased(task: PullTask, now: float) -> PullTask:
-    return replace(task, status=PullStatus.RUNNING, modify_time=now)
+def leased(task: PullTask, now: float, heartbeat_timeout: float | None = None) -> PullTask:
+    return replace(task, status=PullStatus.RUNNING, modify_time=now, heartbeat_timeout=heartbeat_timeout)
 
 
 def _failed_attempt(task: PullTask, now: float) -> PullTask:
@@ -131,6 +141,12 @@ def _failed_attempt(task: PullTask, now: float) -> PullTask:
 
 def reported(task: PullTask, report: Report, now: float) -> PullTask:
     """The task after a worker's set_task."""
+    after = _reported(task, report, now)
+    # A lease's heartbeat timeout ends with the lease.
+    return after if after.status is PullStatus.RUNNING else replace(after, heartbeat_timeout=None)
+
+
+def _reported(task: PullTask, report: Report, now: float) -> PullTask:
     if task.status is not PullStatus.RUNNING:
         raise InvalidReport(
             f"task {task.task_id} is {task.status.name.lower()}, not running: only a leased task can be set"
@@ -165,8 +181,12 @@ def expire(task: PullTask, now: float) -> PullTask | None:
 
     A line is added to schedule_log, so whoever reads the task sees why it ran again.
     """
-    if task.status is not PullStatus.RUNNING or now < task.modify_time + task.max_processing_time:
+    end = task.lease_until
+    if end is None or now < end:
         return None
-    line = f"lease expired: no report within max_processing_time ({task.max_processing_time} s)"
+    if task.heartbeat_timeout:
+        line = f"lease expired: worker lost, no heartbeat within {task.heartbeat_timeout:g} s"
+    else:
+        line = f"lease expired: no report within max_processing_time ({task.max_processing_time} s)"
     log = f"{task.schedule_log}\n{line}" if task.schedule_log else line
-    return _failed_attempt(replace(task, schedule_log=log[-MAX_LOG_BYTES:]), now)
+    return _failed_attempt(replace(task, schedule_log=log[-MAX_LOG_BYTES:], heartbeat_timeout=None), now)

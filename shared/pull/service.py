@@ -42,11 +42,17 @@ class PullService:
         store: PullStore,
         clock: Callable[[], float] = time.time,
         steps: StepLeases | None = None,
+        heartbeat_timeout: float = 15.0,
     ) -> None:
-        """``steps``: the task types that are pull-mode modules of flows.yaml, if any."""
+        """``steps``: the task types that are pull-mode modules of flows.yaml, if any.
+
+        ``heartbeat_timeout``: how long the lease of a worker that sends heartbeats
+        lasts after its last report (the saga's, for the same liveness everywhere).
+        """
         self.store = store
         self.clock = clock
         self.steps = steps
+        self.heartbeat_timeout = heartbeat_timeout
 
     def _flow_steps(self, task_type: str) -> StepLeases | None:
         return self.steps if self.steps is not None and self.steps.owns(task_type) else None
@@ -101,14 +107,18 @@ class PullService:
         found.update(self.steps.types if self.steps is not None else {})
         return [found[name] for name in sorted(found)]
 
-    def hold(self, task_type: str) -> list[PullTask]:
+    def hold(self, task_type: str, heartbeat: bool = False) -> list[PullTask]:
+        """Lease pending tasks of ``task_type``; with ``heartbeat`` the worker promises a
+        set_task with status 2 at least every third of ``heartbeat_timeout`` while it works,
+        and a lease whose reports stop ends after ``heartbeat_timeout``."""
         steps = self._flow_steps(task_type)
+        timeout = self.heartbeat_timeout if heartbeat else None
         if steps is not None:
-            leased = self.store.hold(task_type, steps.types[task_type].schedule_limit, self.clock())
-            leased = steps.started(leased) if leased else []
+            leased = self.store.hold(task_type, steps.types[task_type].schedule_limit, self.clock(), timeout)
+            leased = steps.started(leased, heartbeat) if leased else []
         else:
             # schedule_limit is read by the claim itself: one statement per poll.
-            leased = self.store.hold(task_type, None, self.clock())
+            leased = self.store.hold(task_type, None, self.clock(), timeout)
             if not leased:
                 self.task_type(task_type)  # an unknown type is an error, not an empty queue
         if leased:

@@ -27,7 +27,7 @@ from typing import Any
 from shared.flows import FlowSet, ModuleDecl
 from shared.module import idempotency_key
 from shared.pull.rules import InvalidReport, PullStatus, PullTask, Report, TaskType
-from shared.saga import Event, Failed, PollLater, Started, Succeeded, message_for
+from shared.saga import Event, Failed, Heartbeat, PollLater, Started, Succeeded, message_for
 from shared.service import Publisher, TaskNotFound, TaskService
 from shared.states import StepType
 from shared.storage import PullStore
@@ -206,7 +206,7 @@ class StepLeases:
     def owns(self, task_type: str) -> bool:
         return task_type in self.modules
 
-    def started(self, leased: list[PullTask]) -> list[PullTask]:
+    def started(self, leased: list[PullTask], heartbeats: bool = False) -> list[PullTask]:
         """Record the start of each leased step; give the worker only those the saga accepted."""
         given = []
         for row in leased:
@@ -216,7 +216,7 @@ class StepLeases:
                 reason = "not a flow step id"
             else:
                 try:
-                    decision = self.saga.apply(parsed[0], Started(parsed[1]))
+                    decision = self.saga.apply(parsed[0], Started(parsed[1], heartbeats))
                     reason = decision.ignored
                 except TaskNotFound as exc:
                     reason = str(exc)
@@ -238,7 +238,7 @@ class StepLeases:
         task = self.saga.get(task_id)
         event = step_event(report, seq, task, self.modules[row.task_type].poll_interval, now)
         if event is None:
-            return row  # progress: the step's timeout in flows.yaml still bounds the attempt
+            return self._progress(row, task_id, seq, report, now)
         decision = self.saga.apply(task_id, event, known=task)
         if decision.ignored:
             raise InvalidReport(f"this attempt of the step is over: {decision.ignored}")
@@ -252,6 +252,21 @@ class StepLeases:
         # The saga holds the outcome; the row only mirrors it, so a lost race here is harmless.
         self.store.save(ended)
         return ended
+
+    def _progress(self, row: PullTask, task_id: str, seq: int, report: Report, now: float) -> PullTask:
+        """A status-2 report. From a worker that sends heartbeats it renews the attempt;
+        otherwise the step's timeout in flows.yaml still bounds it, and nothing changes."""
+        if row.status is not PullStatus.RUNNING:
+            raise InvalidReport(f"this attempt of the step is over: its lease ended ({row.status.name.lower()})")
+        if not row.heartbeat_timeout:
+            return row
+        progress = step_result(report.task_content) or None
+        decision = self.saga.apply(task_id, Heartbeat(seq, progress), worker=f"v1:{row.task_type}")
+        if decision.ignored:
+            raise InvalidReport(f"this attempt of the step is over: {decision.ignored}")
+        renewed = replace(row, modify_time=now)
+        self.store.save(renewed)
+        return renewed
 
 
 def _log_for(event: Event) -> str:

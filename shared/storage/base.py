@@ -195,10 +195,14 @@ class PullStore(abc.ABC):
         """Tasks of ``task_type`` by status (statuses without tasks are absent)."""
 
     @abc.abstractmethod
-    def hold(self, task_type: str, limit: int | None, now: float) -> builtins.list[PullTask]:
+    def hold(
+        self, task_type: str, limit: int | None, now: float, heartbeat_timeout: float | None = None
+    ) -> builtins.list[PullTask]:
         """Lease up to ``limit`` pending tasks whose order_time has come, smallest first.
 
         ``limit`` None: the type's schedule_limit (nothing for an unknown type).
+        ``heartbeat_timeout``: the worker sends heartbeats; each lease ends that long
+        after the last report (see PullTask.lease_until).
         Concurrent holds never return the same task.
         """
 

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import replace
 
-from shared.pull.rules import PullStatus, PullTask, TaskType
+from shared.pull.rules import PullStatus, PullTask, TaskType, leased
 from shared.schedules.model import Run, Schedule
 from shared.schedules.timetable import wake_at
 from shared.states import Phase
@@ -190,7 +190,9 @@ class InMemoryPullStore(PullStore):
                 counts[int(t.status)] = counts.get(int(t.status), 0) + 1
         return counts
 
-    def hold(self, task_type: str, limit: int | None, now: float) -> builtins.list[PullTask]:
+    def hold(
+        self, task_type: str, limit: int | None, now: float, heartbeat_timeout: float | None = None
+    ) -> builtins.list[PullTask]:
         with self._lock:
             if limit is None:
                 config = self._types.get(task_type)
@@ -203,7 +205,7 @@ class InMemoryPullStore(PullStore):
                 ),
                 key=lambda t: t.order_time,
             )[:limit]
-            held = [replace(t, status=PullStatus.RUNNING, modify_time=now, version=t.version + 1) for t in ready]
+            held = [replace(leased(t, now, heartbeat_timeout), version=t.version + 1) for t in ready]
             self._tasks.update((t.task_id, t) for t in held)
             return held
 
@@ -216,11 +218,10 @@ class InMemoryPullStore(PullStore):
             return True
 
     def due(self, now: float, limit: int) -> builtins.list[PullTask]:
-        running = sorted(
-            (t for t in list(self._tasks.values()) if t.status is PullStatus.RUNNING),
-            key=lambda t: t.modify_time + t.max_processing_time,
+        ends = sorted(
+            (end, t.task_id, t) for t in list(self._tasks.values()) if (end := t.lease_until) is not None
         )
-        return [t for t in running if t.modify_time + t.max_processing_time <= now][:limit]
+        return [t for end, _, t in ends if end <= now][:limit]
 
 
 class InMemoryScheduleStore(ScheduleStore):

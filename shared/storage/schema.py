@@ -148,6 +148,9 @@ pull_tasks = Table(
     Column("modify_time", Double, nullable=False),
     # modify_time + max_processing_time while running, else NULL: the expiry sweep's index.
     Column("lease_until", Double),
+    # Set while leased by a worker that sends heartbeats: its lease then ends this many
+    # seconds after its last report instead of max_processing_time.
+    Column("heartbeat_timeout", Double),
     Column("version", Integer, nullable=False),
     # hold_tasks: pending tasks of a type, smallest order_time first (seed 000 §四.1).
     Index("ix_af_pull_tasks_hold", "task_type", "status", "order_time"),

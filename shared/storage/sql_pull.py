@@ -61,13 +61,15 @@ def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
     if skip_locked:
         claim = claim.with_for_update(skip_locked=True)
     now = bindparam("held_at", type_=pull_tasks.c.modify_time.type)
+    heartbeat = bindparam("held_heartbeat", type_=pull_tasks.c.heartbeat_timeout.type)
     return (
         update(pull_tasks)
         .where(pull_tasks.c.task_id.in_(claim))
         .values(
             status=int(PullStatus.RUNNING),
             modify_time=now,
-            lease_until=now + pull_tasks.c.max_processing_time,
+            heartbeat_timeout=heartbeat,
+            lease_until=now + func.coalesce(heartbeat, pull_tasks.c.max_processing_time),
             version=pull_tasks.c.version + 1,
         )
         .returning(*pull_tasks.columns)
@@ -82,8 +84,7 @@ CREATE_PULL_TASKS = _create_statement(returning=False)
 def _row(task: PullTask) -> dict[str, Any]:
     row = {k: getattr(task, k) for k in PullTask.__dataclass_fields__}
     row["status"] = int(task.status)
-    running = task.status is PullStatus.RUNNING
-    row["lease_until"] = task.modify_time + task.max_processing_time if running else None
+    row["lease_until"] = task.lease_until
     return row
 
 
@@ -212,9 +213,11 @@ class SqlPullStore(PullStore):
         with self.sql.transaction(read_only=True) as conn:
             return {int(status): int(n) for status, n in conn.execute(query)}
 
-    def hold(self, task_type: str, limit: int | None, now: float) -> builtins.list[PullTask]:
+    def hold(
+        self, task_type: str, limit: int | None, now: float, heartbeat_timeout: float | None = None
+    ) -> builtins.list[PullTask]:
         # One UPDATE … RETURNING whose subquery picks the rows (and reads schedule_limit).
-        params: dict[str, Any] = {"held_type": task_type, "held_at": now}
+        params: dict[str, Any] = {"held_type": task_type, "held_at": now, "held_heartbeat": heartbeat_timeout}
         if limit is not None:
             params["held_limit"] = limit
         with self.sql.transaction() as conn:

@@ -16,6 +16,7 @@ import pytest
 from asyncflow.sdk import Done, Job, Worker
 from oss_api.app import create_app
 from oss_api.testing import TestClient
+from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import load_flows
 from shared.saga import Cancel
@@ -31,8 +32,8 @@ GRACE = 15.0  # Settings.expire_grace's default
 class Flow:
     """One API, the push-mode modules in-process, and the test as the pull-mode worker."""
 
-    def __init__(self, store: SqlStore, home: Path) -> None:
-        app = InProcess(load_flows(SUPPORT / "pull_flows.yaml"), home, store)
+    def __init__(self, store: SqlStore, home: Path, settings: Settings | None = None) -> None:
+        app = InProcess(load_flows(SUPPORT / "pull_flows.yaml"), home, store, settings=settings)
         self.clock, self.publisher, self.runtime = app.clock, app.publisher, app.runtime
         self.service = self.runtime.service
         self.consumer = StepConsumer(
@@ -259,3 +260,41 @@ def test_status_1_with_a_higher_retry_count_is_a_failed_attempt(flow: Flow) -> N
     assert step.message == "try again"
     flow.later(0.3)  # the retry's backoff
     assert flow.hold_one()[2]["attempt"] == 2
+
+
+@pytest.fixture
+def beating(sql_store: SqlStore, tmp_path: Path) -> Flow:
+    """Heartbeats every second: an attempt not heard from for 3 s is lost (the step's timeout is 5 s)."""
+    return Flow(sql_store, tmp_path, Settings(home=tmp_path, heartbeat_interval=1.0))
+
+
+def hold_with_heartbeats(flow: Flow) -> str:
+    answer = flow.post("hold_tasks", {"task_type": "dns", "heartbeat": True})
+    assert answer["code"] == 0 and answer["heartbeat_timeout"] == 3.0, answer
+    (task,) = answer["task_list"]
+    return str(task["task_id"])
+
+
+def test_a_worker_that_sends_heartbeats_keeps_its_step_and_its_progress_is_recorded(beating: Flow) -> None:
+    task_id = beating.submit()
+    leased = hold_with_heartbeats(beating)
+    beating.later(2)
+    assert beating.set(leased, 2, task_content='{"percent": 50}')["code"] == 0
+    beating.later(2)  # 4 s after the start: without that heartbeat the attempt was lost at 3
+    attempts = beating.service.attempts(task_id)
+    assert [(a.outcome, a.progress) for a in attempts if a.cursor == 1] == [(None, {"percent": 50})]
+    assert beating.set(leased, 3, task_content='{"Record": "r"}')["code"] == 0
+    assert beating.status(task_id) is TaskStatus.SUCCESS
+
+
+def test_a_worker_whose_heartbeats_stop_loses_its_step_before_the_timeout(beating: Flow) -> None:
+    task_id = beating.submit()
+    leased = hold_with_heartbeats(beating)
+    beating.later(3)  # no report for the heartbeat timeout: the worker is lost
+    step = [a for a in beating.service.attempts(task_id) if a.cursor == 1]
+    assert [(a.outcome, a.error) for a in step] == [("expired", "worker lost: no heartbeat for 3s")]
+    refused = beating.set(leased, 2)
+    assert refused["code"] == 3 and "attempt of the step is over" in refused["msg"]
+    beating.later(0.3)  # the retry's backoff
+    _, _, content = beating.hold_one()
+    assert content["attempt"] == 2

@@ -243,6 +243,30 @@ def test_lease_expiry_returns_the_task_to_pending(v1: V1) -> None:
     assert (data["status"], data["crt_retry_num"]) == (1, 1)
 
 
+def test_a_heartbeat_lease_ends_when_the_reports_stop_not_at_max_processing_time(v1: V1) -> None:
+    v1.register(max_processing_time=3600)
+    task_id = v1.create()
+    answer = v1.post("hold_tasks", {"task_type": "video", "heartbeat": True})
+    assert [t["task_id"] for t in answer["task_list"]] == [task_id]
+    timeout = answer["heartbeat_timeout"]
+    assert timeout == 15.0  # three heartbeat intervals of 5 s
+    service = v1.runtime.pull_service
+    for _ in range(4):  # the worker reports it alive: each report renews the lease
+        v1.clock.advance(timeout - 1)
+        assert v1.set(task_id=task_id, status=2)["code"] == 0
+        assert sweep_leases(service, v1.clock()) == 0
+    v1.clock.advance(timeout)  # then silence: the worker is gone
+    assert sweep_leases(service, v1.clock()) == 1
+    data = v1.get("get_task", task_id=task_id)["task_data"]
+    assert (data["status"], data["crt_retry_num"]) == (1, 1)
+    assert data["schedule_log"].endswith("lease expired: worker lost, no heartbeat within 15 s")
+    # Held again without heartbeats: the lease is max_processing_time again.
+    v1.clock.advance(60)
+    v1.hold()
+    v1.clock.advance(timeout + 1)
+    assert sweep_leases(service, v1.clock()) == 0
+
+
 def test_metrics_count_creates_leases_reports_and_endings(v1: V1) -> None:
     def counts() -> dict[str, float]:
         samples = {

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from asyncflow.sdk import Done, Job, NextStage, PollAgain, Retry, Worker
 from examples.fake_media_service import FakeMediaService
 from examples.video_worker import build_worker
 from oss_api.app import create_app
 from oss_api.testing import TestClient
+from shared.config import Settings
 from shared.flows import load_flows
+from shared.scheduler import sweep_leases
 from shared.testing import InProcess, wait_for
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
@@ -22,8 +26,8 @@ BASE = "http://testserver"
 
 
 class Server:
-    def __init__(self, home: Path) -> None:
-        app = InProcess(load_flows(SUPPORT / "flows.yaml"), home)
+    def __init__(self, home: Path, settings: Settings | None = None) -> None:
+        app = InProcess(load_flows(SUPPORT / "flows.yaml"), home, settings=settings)
         self.runtime = app.runtime
         self.clock = app.clock
         self.http = TestClient(create_app(self.runtime))
@@ -257,3 +261,32 @@ def test_stop_hands_back_jobs_still_queued_after_the_drain_timeout(server: Serve
     finally:
         release.set()
     wait_for(lambda: server.task(first)["status"] == 3, 5, "the first task done")
+
+
+def test_a_worker_with_heartbeats_reports_each_running_job_alive_until_it_is_done(tmp_path: Path) -> None:
+    server = Server(tmp_path, Settings(home=tmp_path, heartbeat_interval=0.05))  # heartbeat timeout 0.15 s
+    server.register(max_processing_time=3600)
+    task_id = server.create()
+    service = server.runtime.pull_service
+
+    def beats() -> float:
+        return REGISTRY.get_sample_value("asyncflow_v1_reports_total", {"task_type": "video", "status": "2"}) or 0.0
+
+    before = beats()
+    worker = server.worker(poll_interval=0.1, heartbeat=True)
+
+    @worker.stage("")
+    def slow(job: Job) -> Done:
+        for n in range(1, 4):
+            # Each heartbeat renews the lease: time passes on the server, the lease holds.
+            wait_for(lambda n=n: beats() >= before + n, 10, f"heartbeat {n}")
+            server.clock.advance(0.1)
+            assert sweep_leases(service, server.clock()) == 0
+        return Done(log="long work")
+
+    assert worker.run_once() == [Done(log="long work")]
+    data = server.task(task_id)
+    assert data["status"] == 3, data
+    settled = beats()
+    time.sleep(0.2)  # a heartbeat still due after the outcome would show up now
+    assert beats() == settled

@@ -1,4 +1,4 @@
-"""Attempt heartbeats and results, task events, and the process registry
+"""Attempt heartbeats and results, v1 heartbeat leases, task events, and the process registry
 
 Revision ID: 0005
 Revises: 0004
@@ -20,6 +20,8 @@ Json = sa.JSON().with_variant(JSONB(), "postgresql")
 
 
 def upgrade() -> None:
+    with op.batch_alter_table("af_pull_tasks") as table:
+        table.add_column(sa.Column("heartbeat_timeout", sa.Double()))
     with op.batch_alter_table("af_attempts") as table:
         table.add_column(sa.Column("worker", sa.String(128)))
         table.add_column(sa.Column("heartbeat_at", sa.Double()))
@@ -58,3 +60,5 @@ def downgrade() -> None:
         table.drop_column("progress")
         table.drop_column("heartbeat_at")
         table.drop_column("worker")
+    with op.batch_alter_table("af_pull_tasks") as table:
+        table.drop_column("heartbeat_timeout")
