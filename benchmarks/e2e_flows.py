@@ -110,6 +110,17 @@ def warm_up(api: Api, stack: Stack, timeout: float) -> float:
         time.sleep(0.05)
 
 
+def print_idle_cpu(stack: Stack, seconds: float) -> None:
+    """What each process costs with nothing to do: polling and sweeps, not work."""
+    time.sleep(2)  # the warm-up flow's last effects
+    before = stack.cpu()
+    time.sleep(seconds)
+    after = stack.cpu()
+    used = {key: (after[key] - before[key]) / seconds * 100 for key in after}
+    figures = ", ".join(f"{key} {pct:.2f}" for key, pct in used.items())
+    print(f"idle CPU over {seconds:g} s, % of one core: {figures}; all {sum(used.values()):.2f}")
+
+
 def fetch_docs(api: Api, task_ids: list[str]) -> list[dict[str, Any]]:
     with ThreadPoolExecutor(max_workers=4) as pool:
         return list(pool.map(api.get, task_ids))
@@ -125,6 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-level", default=None, help="ASYNCFLOW_LOG_LEVEL for the processes (default: theirs)")
     p.add_argument("--env", dest="extra_env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the processes, e.g. ASYNCFLOW_EMBEDDED_POLL_INTERVAL=0.01")
+    p.add_argument("--idle", type=float, default=0, metavar="SECONDS",
+                   help="first measure the CPU each process uses while idle for this long")
     add_keep_options(p, "process logs")
     p.add_argument("--rabbitmq-vhost", default=None,
                    help="use this existing vhost (its asyncflow.* queues are purged) instead of a fresh one")
@@ -150,6 +163,8 @@ def bench(args: argparse.Namespace, run: Run) -> int:
     api = Api(stack.url)
     warm = warm_up(api, stack, 120)
     log(f"stack ready on {stack.url}; warm-up flow took {warm * 1000:.1f} ms")
+    if args.idle > 0:
+        print_idle_cpu(stack, args.idle)
 
     run_id = f"bench-{uuid.uuid4().hex[:10]}"
     m = measure(args, stack, lambda _i: api.submit(run_id), lambda _sub: api.all_stopped(run_id), "clients")
