@@ -8,6 +8,7 @@ own interruption into :class:`AttemptTimedOut`.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import socket
@@ -63,7 +64,11 @@ class Pulse:
         self.interval = interval
         self.progress: Mapping[str, Any] | None = None
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"pulse {message.task_id}", daemon=True)
+        # The attempt's logging context (shared.logs) goes with it onto the thread.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._run,), name=f"pulse {message.task_id}", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
