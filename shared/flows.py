@@ -8,15 +8,20 @@
         steps:
           - normal:   {module: resource, command: check_resource, timeout: 300, retry: 0}
             rollback: {module: monitor, command: report_event, timeout: 300, retry: 3}
+        parameters:                # optional: a JSON Schema of the submit parameters
+          type: object
+          required: [Cpu]
+          properties: {Cpu: {type: integer, minimum: 1}}
 
 A module without an entry is imported from ``modules.<name>``. Every error names
-the file, the flow and the field.
+the file, the flow and the field. A flow without ``parameters`` takes any.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable, Iterable
+import sys
+from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from shared.module import Module, ModuleError, import_module_object
 from shared.names import NAME
+from shared.parameters import InvalidParameters, checked, schema_problems
 from shared.schedules.definition import SCHEDULE_ID, Definition
 
 
@@ -72,6 +78,18 @@ class Flow(BaseModel):
     name: str = Field(pattern=NAME)
     description: str = ""
     steps: tuple[StepDef, ...] = Field(min_length=1, max_length=200)
+    # A JSON Schema of the submit parameters (checked by parse_flows), or None: any are taken.
+    parameters: dict[str, Any] | None = None
+
+    def check_parameters(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """``values`` as a new task of this flow takes them: the declared defaults filled in.
+
+        Raises :class:`shared.parameters.InvalidParameters` naming each parameter
+        the declaration refuses. A flow that declares none takes ``values`` as they are.
+        """
+        if self.parameters is None:
+            return dict(values)
+        return checked(self.parameters, values, self.name)
 
     def actions(self) -> Iterable[tuple[int, str, Action]]:
         for i, step in enumerate(self.steps):
@@ -113,6 +131,7 @@ class _FlowBody(BaseModel):
 
     description: str = ""
     steps: list[StepDef] = Field(min_length=1, max_length=200)
+    parameters: dict[str, Any] | None = None
 
 
 class _FlowsFile(BaseModel):
@@ -161,6 +180,7 @@ class FlowSet:
         return decl.import_path if decl and decl.import_path else f"modules.{module}"
 
     def load_module(self, name: str) -> Module:
+        _importable_beside(self.source)
         return import_module_object(self.import_path(name), name)
 
     def check_commands(self, only: Iterable[str] | None = None) -> dict[str, Module]:
@@ -197,6 +217,13 @@ class FlowSet:
         return {name: module for name, module in loaded.items() if module is not None}
 
 
+def _importable_beside(source: str) -> None:
+    """Let modules kept beside flows.yaml (a user's own package) import without PYTHONPATH."""
+    folder = Path(source).resolve().parent
+    if Path(source).is_file() and str(folder) not in sys.path:
+        sys.path.append(str(folder))
+
+
 def _location(source: str, loc: tuple[Any, ...]) -> str:
     if len(loc) >= 2 and loc[0] == "flows":
         field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[2:]).lstrip(".")
@@ -226,9 +253,17 @@ def parse_flows(data: Any, source: str = "flows.yaml") -> FlowSet:
     if problems:
         raise FlowsError(problems)
     flows = {
-        name: Flow(name=name, description=body.description, steps=tuple(body.steps))
+        name: Flow(name=name, description=body.description, steps=tuple(body.steps), parameters=body.parameters)
         for name, body in parsed.flows.items()
     }
+    for name, flow in flows.items():
+        if flow.parameters is not None:
+            problems += [
+                f"{source}: flow {name!r}: {'.'.join(filter(None, ('parameters', field)))}: {problem}"
+                for field, problem in schema_problems(flow.parameters)
+            ]
+    if problems:
+        raise FlowsError(problems)
     schedules = {}
     for schedule_id, definition in parsed.schedules.items():
         where = f"{source}: schedule {schedule_id!r}"
@@ -238,6 +273,11 @@ def parse_flows(data: Any, source: str = "flows.yaml") -> FlowSet:
             problems.append(f"{where}: schedule_id: differs from the key; leave it out")
         if definition.flow is not None and definition.flow not in flows:
             problems.append(f"{where}: flow: no flow {definition.flow!r} in this file")
+        elif definition.flow is not None:
+            try:
+                flows[definition.flow].check_parameters(definition.parameters or {})
+            except InvalidParameters as exc:
+                problems += [f"{where}: {field}: {problem}" for field, problem in exc.problems]
         problems += [f"{where}: {field}: {problem}" for field, problem in definition.problems()]
         schedules[schedule_id] = definition.model_copy(update={"schedule_id": schedule_id})
     if problems:
@@ -269,19 +309,26 @@ class UniqueKeyLoader(yaml.SafeLoader):
 def load_flows(path: Path | str, check_commands: bool = False) -> FlowSet:
     path = Path(path)
     try:
-        text = path.read_bytes().decode("utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise FlowsError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
-    except UnicodeDecodeError as exc:
-        raise FlowsError([f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}"]) from exc
-    try:
-        data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise FlowsError([f"{path}: not valid YAML: {exc}"]) from exc
-    except RecursionError:
-        # PyYAML builds nested collections recursively.
-        raise FlowsError([f"{path}: not valid YAML: nested too deeply"]) from None
-    flows = parse_flows(data, str(path))
+    flows = parse_flows_file(raw, str(path))
     if check_commands:
         flows.check_commands()
     return flows
+
+
+def parse_flows_file(raw: bytes, source: str) -> FlowSet:
+    """The flows of a flows.yaml's bytes; ``source`` names the file in the problems."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FlowsError([f"{source}: not UTF-8 text: {exc.reason} at byte {exc.start}"]) from exc
+    try:
+        data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise FlowsError([f"{source}: not valid YAML: {exc}"]) from exc
+    except RecursionError:
+        # PyYAML builds nested collections recursively.
+        raise FlowsError([f"{source}: not valid YAML: nested too deeply"]) from None
+    return parse_flows(data, source)

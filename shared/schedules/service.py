@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from shared import metrics
+from shared.parameters import InvalidParameters
 from shared.pull.rules import PullTask, TaskType, new_pull_task
 from shared.pull.service import PullService
 from shared.saga import Cancel, Decision, InvalidAction
@@ -274,9 +275,15 @@ class ScheduleService:
             schedule = definition.schedule(schedule_id, now, new_run_at)
         except Problem as exc:
             problems = exc.problems
-        if definition.flow is not None and self.tasks.flows.get(definition.flow) is None:
+        flow = self.tasks.flows.get(definition.flow) if definition.flow is not None else None
+        if definition.flow is not None and flow is None:
             known = ", ".join(sorted(self.tasks.flows.flows)) or "none"
             problems.append(("flow", f"unknown flow {definition.flow!r} (known flows: {known})"))
+        if flow is not None:
+            try:
+                flow.check_parameters(definition.parameters or {})  # as each firing will
+            except InvalidParameters as exc:
+                problems += exc.problems
         if definition.task_type is not None:
             try:
                 self.pull.task_type(definition.task_type)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ def test_repo_flows_yaml_loads() -> None:
 )
 def test_repo_flows_yaml_commands_exist_in_the_example_modules() -> None:
     load_flows(REPO_FLOWS, check_commands=True)
-    result = CliRunner().invoke(main, ["flows", "validate", str(REPO_FLOWS)])
+    result = CliRunner().invoke(main, ["flows", "check", str(REPO_FLOWS)])
     assert result.exit_code == 0, result.output
     assert "OK" in result.stdout
 
@@ -345,25 +346,34 @@ def test_pull_mode_declarations_are_checked(tmp_path: Path, decl: dict[str, Any]
     assert "'dns'" in problem, problem
 
 
-# --- CLI: asyncflow flows validate -------------------------------------------------------------
+# --- CLI: asyncflow flows check -----------------------------------------------------------------
 
 
-def test_cli_validate_accepts_a_good_file(testmod_on_path: None, tmp_path: Path) -> None:
+def test_cli_check_accepts_a_good_file(testmod_on_path: None, tmp_path: Path) -> None:
     path = write(tmp_path, support_flows())
-    result = CliRunner().invoke(main, ["flows", "validate", str(path)])
+    result = CliRunner().invoke(main, ["flows", "check", str(path)])
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == f"{path}: 3 flows OK (noop, short, three)"
+    names = sorted(support_flows()["flows"])
+    assert result.stdout.strip() == f"{path}: {len(names)} flows OK ({', '.join(names)})"
     assert result.stderr == ""
 
 
-def test_cli_validate_reports_each_problem_on_stderr_and_exits_2(testmod_on_path: None, tmp_path: Path) -> None:
+def test_cli_validate_is_the_old_name_of_check(testmod_on_path: None, tmp_path: Path) -> None:
+    path = variant(tmp_path, _set(*STEPS, 0, "normal", "command", value="missing"))
+    result = CliRunner().invoke(main, ["flows", "validate", str(path)])
+    assert result.exit_code == 1, result.output
+    assert "module 'alpha' has no command 'missing'" in result.stderr
+    assert "validate" not in CliRunner().invoke(main, ["flows", "--help"]).output
+
+
+def test_cli_check_reports_each_problem_on_stderr_and_exits_1(testmod_on_path: None, tmp_path: Path) -> None:
     def change(data: dict[str, Any]) -> None:
         _set(*STEPS, 1, "normal", "retry", value=-1)(data)
         _set("flows", "noop", "steps", value=[])(data)
 
     path = variant(tmp_path, change)
-    result = CliRunner().invoke(main, ["flows", "validate", str(path)])
-    assert result.exit_code == 2, result.output
+    result = CliRunner().invoke(main, ["flows", "check", str(path)])
+    assert result.exit_code == 1, result.output
     lines = result.stderr.splitlines()
     assert len(lines) == 2, lines
     assert any(line.startswith(f"{path}: flow 'three': steps[1].normal.retry: ") for line in lines), lines
@@ -371,30 +381,53 @@ def test_cli_validate_reports_each_problem_on_stderr_and_exits_2(testmod_on_path
     assert "OK" not in result.stdout
 
 
-def test_cli_validate_checks_module_commands(testmod_on_path: None, tmp_path: Path) -> None:
+def test_cli_check_checks_module_commands(testmod_on_path: None, tmp_path: Path) -> None:
     path = variant(tmp_path, _set(*STEPS, 0, "normal", "command", value="missing"))
-    result = CliRunner().invoke(main, ["flows", "validate", str(path)])
-    assert result.exit_code == 2, result.output
+    result = CliRunner().invoke(main, ["flows", "check", str(path)])
+    assert result.exit_code == 1, result.output
     assert result.stderr.splitlines() == [
         f"{path}: flow 'three': steps[0].normal.command: "
         "module 'alpha' has no command 'missing' (it has: step, undo)"
     ]
 
 
-def test_cli_validate_reports_a_missing_file(tmp_path: Path) -> None:
+def test_cli_check_reports_a_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "absent.yaml"
-    result = CliRunner().invoke(main, ["flows", "validate", str(path)])
-    assert result.exit_code == 2, result.output
+    result = CliRunner().invoke(main, ["flows", "check", str(path)])
+    assert result.exit_code == 1, result.output
     assert result.stderr.startswith(f"{path}: cannot read: ")
 
 
-def test_cli_validate_defaults_to_asyncflow_flows(
+def test_cli_check_defaults_to_asyncflow_flows(
     testmod_on_path: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = write(tmp_path, support_flows(), name="custom.yaml")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ASYNCFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("ASYNCFLOW_FLOWS", str(path))
-    result = CliRunner().invoke(main, ["flows", "validate"])
+    result = CliRunner().invoke(main, ["flows", "check"])
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith(f"{path}: 3 flows OK")
+    assert result.stdout.startswith(f"{path}: {len(support_flows()['flows'])} flows OK")
+
+
+def test_a_users_package_beside_flows_yaml_imports_without_pythonpath(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "acme_billing_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "billing.py").write_text(
+        "from shared.module import Module\n"
+        "module = Module('billing')\n"
+        "module.command('charge')(lambda ctx: {'Charged': True})\n"
+    )
+    flows = tmp_path / "flows.yaml"
+    flows.write_text(
+        "modules:\n  billing: {import: acme_billing_pkg.billing}\n"
+        "flows:\n  pay:\n    steps:\n      - normal: {module: billing, command: charge}\n"
+    )
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "acme_billing_pkg", raising=False)
+    monkeypatch.delitem(sys.modules, "acme_billing_pkg.billing", raising=False)
+    modules = load_flows(flows).check_commands()
+    assert modules["billing"].handler("charge") is not None
