@@ -114,6 +114,9 @@ class StepMessage:
     retry: int
     parameters: Mapping[str, Any] = field(default_factory=dict)
     priority: int = 0  # the task's
+    # Wall-clock time of its publish (set by the publisher, not by the saga): the
+    # queue wait metric. Not part of what the message is, so not compared.
+    sent_at: float | None = field(default=None, compare=False)
 
     @property
     def continues(self) -> bool:
@@ -134,7 +137,7 @@ class StepMessage:
             "retry": self.retry,
             "parameters": dict(self.parameters),
             "priority": self.priority,
-        }
+        } | ({"sent_at": self.sent_at} if self.sent_at is not None else {})
 
     @classmethod
     def from_payload(cls, data: Mapping[str, Any]) -> StepMessage:
@@ -151,6 +154,7 @@ class StepMessage:
             retry=int(data["retry"]),
             parameters=dict(data.get("parameters") or {}),
             priority=int(data.get("priority") or 0),
+            sent_at=float(data["sent_at"]) if data.get("sent_at") is not None else None,
         )
 
 

@@ -158,6 +158,8 @@ class PullService:
             lambda _, new: None if new is None else self.store.save(new),
             known=task,
         )
+        if new is not None:
+            metrics.V1_LEASE_EXPIRIES.labels(task.task_type).inc()
         return new is not None  # compare_and_set returns a change only once it is stored
 
     def list(

@@ -18,13 +18,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared import metrics
 from shared.pull.service import PullService
 from shared.scheduler.sweeps import sweep_leases, sweep_tasks
 from shared.schedules.service import ScheduleService
 from shared.schedules.timetable import Timetable, wake_at
 from shared.service import TaskService
 from shared.storage import StorageUnavailable
-from shared.storage.base import Lease, NotLeader
+from shared.storage.base import Lease, NotLeader, ProcessStore
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Cadence:
     changes: float = 0.2  # users' changes are picked up within this
     retention: float = 0.0  # runs older than this are deleted (0: kept)
     retention_tasks: bool = False  # with the ended tasks they created
+    process_retention: float = 86400.0  # registry rows of processes gone this long are deleted
 
 
 class Scheduler:
@@ -58,6 +60,7 @@ class Scheduler:
         cadence: Cadence = Cadence(),
         clock: Callable[[], float] = time.time,
         owner: str | None = None,
+        processes: ProcessStore | None = None,
     ) -> None:
         self.service = service
         self.pull = pull
@@ -65,9 +68,10 @@ class Scheduler:
         self.cadence = cadence
         self.clock = clock
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.processes = processes
         self.lease: Lease | None = None
         self.timetable = Timetable()
-        self._due = {"renew": 0.0, "load": 0.0, "changes": 0.0, "sweep": 0.0, "purge": 0.0}
+        self._due = {"renew": 0.0, "load": 0.0, "changes": 0.0, "sweep": 0.0, "purge": 0.0, "processes": 0.0}
         self._changes_read_at = 0.0
         self._loaded: tuple[float, str] | None = None  # where the last page of due schedules ended
 
@@ -118,12 +122,16 @@ class Scheduler:
             self._stand_by()
             return self._due["renew"] - now
         if now >= self._due["sweep"]:
+            metrics.SCHEDULER_LAG.observe(now - self._due["sweep"])
             if self.tick():
                 self._due["sweep"] = now  # more may be due right away
             else:
                 self._due["sweep"] = now + c.sweep
         if c.retention > 0 and now >= self._due["purge"]:
             self._purge(now)
+        if self.processes is not None and now >= self._due["processes"]:
+            self.processes.purge(now - c.process_retention)
+            self._due["processes"] = now + 60.0
         wake = min(self._due[k] for k in ("renew", "load", "changes", "sweep"))
         following = self.timetable.next_at()
         if following is not None:
@@ -151,6 +159,7 @@ class Scheduler:
     def _renew(self, now: float) -> None:
         c = self.cadence
         lease = self.schedules.store.acquire(LEADER, self.owner, c.lease_ttl, now)
+        metrics.SCHEDULER_LEADER.set(0 if lease is None else 1)
         # The leader renews at a third of the lease; the others ask often, so that one
         # takes over soon after the lease of a dead leader runs out.
         self._due["renew"] = now + (c.lease_ttl / 3 if lease else min(c.lease_ttl / 3, STANDBY_POLL))
@@ -169,6 +178,7 @@ class Scheduler:
 
     def _stand_by(self) -> None:
         self.lease = None
+        metrics.SCHEDULER_LEADER.set(0)
         self.timetable.clear()
         self._due["renew"] = self.clock() + min(self.cadence.lease_ttl / 3, STANDBY_POLL)
 
