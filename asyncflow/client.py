@@ -1,22 +1,13 @@
-"""HTTP client of the native API and the human-readable rendering of tasks."""
+"""HTTP client of the native API, and the reading of KEY=VALUE parameters."""
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Mapping
-from datetime import datetime
+from collections.abc import Mapping
 from typing import Any
 
 import click
 import httpx
-
-from shared.states import STOPPED
-
-STATUS_NAMES = {
-    0: "success", 1: "pending", 2: "running", 3: "rolling back",
-    4: "failed (compensated)", 5: "ROLLBACK FAILED (operator needed)", 6: "cancelled",
-}
 
 
 class ApiError(click.ClickException):
@@ -88,62 +79,3 @@ def parse_param(text: str) -> tuple[str, Any]:
         return key, json.loads(raw)
     except ValueError:
         return key, raw
-
-
-def _ts(value: float | None) -> str:
-    return datetime.fromtimestamp(value).strftime("%H:%M:%S.%f")[:-3] if value else "-"
-
-
-def step_line(index: int, step: dict[str, Any]) -> str:
-    line = f"  [{index}] {step['normal_module']}.{step['normal_command']:<18} {step['state']:<9}"
-    if step["attempts"] > 1:
-        line += f" attempts={step['attempts']}"
-    if step["rollback_command"]:
-        rb = f"{step['rollback_module']}.{step['rollback_command']}"
-        line += f"  rollback {rb}: {step['rollback_state']}"
-    if step["message"]:
-        line += f"  ({step['message']})"
-    return line
-
-
-def render(doc: dict[str, Any]) -> str:
-    lines = [
-        f"task {doc['task_id']}  flow {doc['flow']}",
-        f"  status {doc['task_status']} {STATUS_NAMES.get(doc['task_status'], '?')}"
-        f"  cursor {doc['task_cursor']}" + (f"  message: {doc['task_message']}" if doc["task_message"] else ""),
-        f"  created {_ts(doc['time_create'])}  started {_ts(doc['time_start'])}  ended {_ts(doc['time_end'])}",
-        f"  parameters {json.dumps(doc['parameters'], sort_keys=True)}",
-        "  steps:",
-    ]
-    lines += ["  " + step_line(i, s) for i, s in enumerate(doc["steps"])]
-    if doc.get("attempts"):
-        lines.append("  attempts:")
-        for a in doc["attempts"]:
-            kind = "rollback" if a["type"] == 1 else "normal"
-            lines.append(
-                f"    seq {a['seq']:<3} step {a['cursor']} {kind:<8} #{a['attempt']} "
-                f"{a['module']}.{a['command']:<18} {a['outcome'] or 'running':<10} "
-                f"{_ts(a['started_at'])} → {_ts(a['ended_at'])}"
-                + (f"  {a['error']}" if a["error"] else "")
-            )
-    return "\n".join(lines)
-
-
-def follow(fetch: Callable[[], dict[str, Any]], echo: Callable[[str], None], interval: float = 0.2) -> dict[str, Any]:
-    """Print each change of step state until the task stops; return the last document."""
-    seen: dict[int, tuple[str, str, int]] = {}
-    status = None
-    while True:
-        doc = fetch()
-        for i, step in enumerate(doc["steps"]):
-            key = (step["state"], step["rollback_state"], step["attempts"] + step["rollback_attempts"])
-            if seen.get(i) != key:
-                if i in seen or key != ("pending", "pending", 0) and key != ("pending", "none", 0):
-                    echo(step_line(i, step))
-                seen[i] = key
-        if doc["task_status"] != status:
-            status = doc["task_status"]
-            echo(f"status {status} {STATUS_NAMES.get(status, '?')}")
-        if status in STOPPED:
-            return doc
-        time.sleep(interval)

@@ -144,16 +144,22 @@ class Cancel:
 
 @dataclass(frozen=True)
 class Retry:
-    pass
+    """Run a failed or cancelled task again; ``parameters`` are merged over its own first
+    (an operator correcting the value it failed on)."""
+
+    parameters: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Resume:
-    pass
+    """Compensate again from the rollback that failed; ``parameters`` as for :class:`Retry`."""
+
+    parameters: Mapping[str, Any] = field(default_factory=dict)
 
 
 StepEvent = Due | Requeue | PublishFailed | Expire | Started | Heartbeat | Succeeded | Failed | PollLater
-Event = Submit | StepEvent | Cancel | Retry | Resume
+Operation = Cancel | Retry | Resume  # an operator's action (TaskService.operate)
+Event = Submit | StepEvent | Operation
 
 # The phase the outstanding message must be in for each step event to apply.
 _EXPECTED_PHASE: dict[type, Phase] = {
@@ -190,9 +196,9 @@ def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING
     if isinstance(event, Cancel):
         return _cancel(task, now, timing)
     if isinstance(event, Retry):
-        return _retry(task, now, timing)
+        return _retry(task, event, now, timing)
     if isinstance(event, Resume):
-        return _resume(task, now, timing)
+        return _resume(task, event, now, timing)
 
     reason = stale(task, event, now)
     if reason:
@@ -475,11 +481,12 @@ def _cancelled_before_running(task: Task, now: float, timing: Timing) -> Decisio
     return _rollback_from(task, n, now, timing)
 
 
-def _retry(task: Task, now: float, timing: Timing) -> Decision:
+def _retry(task: Task, event: Retry, now: float, timing: Timing) -> Decision:
     if task.status not in (TaskStatus.FAILED, TaskStatus.CANCELLED):
         raise InvalidAction(
             f"task {task.task_id} is {task.status.label}; only failed or cancelled tasks can be retried"
         )
+    task = _merge(task, event.parameters)
     # Run again from the failed step, but first redo any earlier step whose work
     # the compensation undid: resuming past it would build on work that is gone.
     n = task.cursor
@@ -500,11 +507,12 @@ def _retry(task: Task, now: float, timing: Timing) -> Decision:
     return _dispatch(task, start, StepType.NORMAL, 1, now, timing)
 
 
-def _resume(task: Task, now: float, timing: Timing) -> Decision:
+def _resume(task: Task, event: Resume, now: float, timing: Timing) -> Decision:
     if task.status is not TaskStatus.ROLLBACK_FAILED:
         raise InvalidAction(
             f"task {task.task_id} is {task.status.label}; only a failed rollback can be resumed"
         )
+    task = _merge(task, event.parameters)
     k = max(i for i, s in enumerate(task.steps) if s.rollback_state is StepState.FAILED)
     task = task.with_step(k, rollback_state=StepState.PENDING)
     task = replace(task, status=TaskStatus.ROLLING_BACK, ended_at=None, message=None)
