@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
+from starlette.routing import Match, Mount
 
 from shared.saga import InvalidAction
 from shared.service import ServiceError
@@ -24,6 +27,68 @@ class RequestTooLarge(ServiceError):
 
 class MalformedBody(ServiceError):
     status_code = 400
+
+
+class FieldProblem(BaseModel):
+    field: str = Field(description='Dotted path of the field, e.g. "parameters.cpu" ("" for the body itself)')
+    problem: str
+
+
+class Problem(BaseModel):
+    """Every error answer of /api (and /healthz): what went wrong, in one sentence."""
+
+    error: str
+    detail: list[FieldProblem] | None = Field(default=None, description="The fields at fault, when there are some")
+
+
+class Invalid(Problem):
+    """A 422: the request is well-formed JSON, but some fields are wrong; ``detail`` names each."""
+
+    detail: list[FieldProblem]
+
+
+# What each error status means, the same wherever it is answered.
+_MEANINGS: dict[int, tuple[type[Problem], str]] = {
+    400: (Problem, "Malformed JSON body (not JSON, not UTF-8, nested too deeply), or NaN/Infinity in parameters"),
+    401: (Problem, "Missing or unknown API key (only when API keys are configured)"),
+    403: (Problem, "The key's user may not act for the user_id asked for"),
+    404: (Problem, "Not found (another user's resource is not found either)"),
+    409: (Problem, "Conflicts with the stored state"),
+    413: (Problem, "The request body, or its parameters, are over the size limit"),
+    422: (Invalid, "Invalid fields; detail names each"),
+    503: (Problem, "The task database is unavailable; try again shortly"),
+}
+
+
+def answers(*codes: int, **meanings: str) -> dict[int | str, dict[str, Any]]:
+    """The ``responses`` of a route that answers ``codes``; ``meanings`` ("e404"=...) say more than the default."""
+    documented: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        model, description = _MEANINGS[code]
+        documented[code] = {"model": model, "description": meanings.get(f"e{code}", description)}
+    if 401 in codes:
+        documented[401]["headers"] = {
+            "WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}},
+        }
+    return documented
+
+
+_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+_STATIC = ("GET", "HEAD")  # the app's mounts are static files
+
+
+def _allowed(request: Request) -> str:
+    """Every method some route serves at the request's path (the router names only its first route's)."""
+    routes = request.app.router.routes
+    # Matched from the top: inside a mount, the scope's root_path is the mount's.
+    scope = {**request.scope, "root_path": request.scope.get("app_root_path", request.scope.get("root_path", ""))}
+    mounted = any(isinstance(r, Mount) and r.matches(scope)[0] is Match.FULL for r in routes)
+    return ", ".join(
+        method
+        for method in _METHODS
+        if (mounted and method in _STATIC)
+        or any(not isinstance(r, Mount) and r.matches({**scope, "method": method})[0] is Match.FULL for r in routes)
+    )
 
 
 # FastAPI's answer to a body it cannot parse at all (json.loads raised something
@@ -59,6 +124,7 @@ def install(app: FastAPI) -> None:
             message = f"no such endpoint: {request.method} {request.url.path[:200]}"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path[:200]}"
+            return _body(405, message, headers={**(exc.headers or {}), "Allow": _allowed(request)})
         else:
             message = str(exc.detail)
         return _body(exc.status_code, message, headers=exc.headers)

@@ -6,13 +6,16 @@ see it as missing, admins see all.
 
 # No `from __future__ import annotations`: FastAPI reads the route annotations.
 
+import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from oss_api.auth import Caller, CallerDep, submit_user
+from oss_api.errors import answers
 from oss_api.limits import check_parameters_size
+from oss_api.schemas import path_id
 from shared.runtime import Runtime
 from shared.schedules.definition import SCHEDULE_ID, Definition, definition_of
 from shared.schedules.model import Overlap, Schedule
@@ -114,6 +117,11 @@ class RunList(BaseModel):
     runs: list[RunDocument]
 
 
+ScheduleId = Annotated[str, path_id(SCHEDULE_ID, "schedule")]
+_NO_SCHEDULE = "No such schedule (or another user's)"
+_BODY_ERRORS = (400, 413, 422)  # malformed JSON, too large, invalid fields
+
+
 def schedule_routes(runtime: Runtime) -> APIRouter:
     router = APIRouter(prefix="/api/schedules", tags=["schedules"])
 
@@ -123,6 +131,9 @@ def schedule_routes(runtime: Runtime) -> APIRouter:
     Service = Annotated[ScheduleService, Depends(service)]
 
     def visible(svc: ScheduleService, who: Caller, schedule_id: str) -> Schedule:
+        if re.fullmatch(SCHEDULE_ID, schedule_id) is None:
+            # No schedule can have this id (NUL, which PostgreSQL cannot even compare, included).
+            raise ScheduleNotFound(f"no schedule {schedule_id[:80]!r}")
         schedule = svc.get(schedule_id)
         if not who.admin and schedule.target.user_id != who.user:
             raise ScheduleNotFound(f"no schedule {schedule_id!r}")
@@ -131,7 +142,23 @@ def schedule_routes(runtime: Runtime) -> APIRouter:
     def document(svc: ScheduleService, s: Schedule) -> ScheduleDocument:
         return ScheduleDocument.of(s, svc.next_fire_times(s))
 
-    @router.post("", status_code=201, response_model=ScheduleDocument)
+    @router.post(
+        "",
+        status_code=201,
+        response_model=ScheduleDocument,
+        responses={
+            200: {"model": ScheduleDocument, "description": "The schedule already stored under this schedule_id"},
+            **answers(
+                *_BODY_ERRORS,
+                401,
+                403,
+                409,
+                503,
+                e403="The key's user may not schedule tasks for another user_id",
+                e409="The schedule_id is taken by another definition",
+            ),
+        },
+    )
     def add(body: Definition, who: CallerDep, svc: Service, response: Response) -> ScheduleDocument:
         body = body.model_copy(update={"user_id": submit_user(who, body.user_id)})
         check_parameters_size(body.parameters or {}, runtime.settings.max_parameters_bytes)
@@ -140,7 +167,7 @@ def schedule_routes(runtime: Runtime) -> APIRouter:
             response.status_code = 200
         return document(svc, schedule)
 
-    @router.get("", response_model=ScheduleList)
+    @router.get("", response_model=ScheduleList, responses=answers(401, 422, 503))
     def list_schedules(
         who: CallerDep,
         svc: Service,
@@ -150,47 +177,65 @@ def schedule_routes(runtime: Runtime) -> APIRouter:
         found = svc.list(limit, after, user_id=None if who.admin else who.user)
         return ScheduleList(schedules=[document(svc, s) for s in found])
 
-    @router.get("/{schedule_id}", response_model=ScheduleDocument)
-    def get(schedule_id: str, who: CallerDep, svc: Service) -> ScheduleDocument:
+    @router.get("/{schedule_id}", response_model=ScheduleDocument, responses=answers(401, 404, 503, e404=_NO_SCHEDULE))
+    def get(schedule_id: ScheduleId, who: CallerDep, svc: Service) -> ScheduleDocument:
         return document(svc, visible(svc, who, schedule_id))
 
-    @router.patch("/{schedule_id}", response_model=ScheduleDocument)
-    def modify(schedule_id: str, body: Changes, who: CallerDep, svc: Service) -> ScheduleDocument:
+    @router.patch(
+        "/{schedule_id}",
+        response_model=ScheduleDocument,
+        responses=answers(*_BODY_ERRORS, 401, 404, 503, e404=_NO_SCHEDULE),
+    )
+    def modify(schedule_id: ScheduleId, body: Changes, who: CallerDep, svc: Service) -> ScheduleDocument:
         visible(svc, who, schedule_id)
         check_parameters_size(body.parameters or {}, runtime.settings.max_parameters_bytes)
         return document(svc, svc.modify(schedule_id, body.model_dump(exclude_unset=True)))
 
-    @router.delete("/{schedule_id}", status_code=204, response_class=Response)
-    def remove(schedule_id: str, who: CallerDep, svc: Service) -> Response:
+    @router.delete(
+        "/{schedule_id}", status_code=204, response_class=Response, responses=answers(401, 404, 503, e404=_NO_SCHEDULE)
+    )
+    def remove(schedule_id: ScheduleId, who: CallerDep, svc: Service) -> Response:
         visible(svc, who, schedule_id)
         svc.delete(schedule_id)
         return Response(status_code=204)
 
-    @router.post("/{schedule_id}/pause", response_model=ScheduleDocument)
+    @router.post(
+        "/{schedule_id}/pause",
+        response_model=ScheduleDocument,
+        responses=answers(*_BODY_ERRORS, 401, 404, 503, e404=_NO_SCHEDULE),
+    )
     def pause(
-        schedule_id: str, who: CallerDep, svc: Service, body: PauseRequest | None = None
+        schedule_id: ScheduleId, who: CallerDep, svc: Service, body: PauseRequest | None = None
     ) -> ScheduleDocument:
         visible(svc, who, schedule_id)
         return document(svc, svc.pause(schedule_id, body.note if body else None))
 
-    @router.post("/{schedule_id}/resume", response_model=ScheduleDocument)
-    def resume(schedule_id: str, who: CallerDep, svc: Service) -> ScheduleDocument:
+    @router.post(
+        "/{schedule_id}/resume", response_model=ScheduleDocument, responses=answers(401, 404, 503, e404=_NO_SCHEDULE)
+    )
+    def resume(schedule_id: ScheduleId, who: CallerDep, svc: Service) -> ScheduleDocument:
         visible(svc, who, schedule_id)
         return document(svc, svc.resume(schedule_id))
 
-    @router.post("/{schedule_id}/trigger", response_model=RunList)
-    def trigger(schedule_id: str, who: CallerDep, svc: Service) -> RunList:
+    @router.post("/{schedule_id}/trigger", response_model=RunList, responses=answers(401, 404, 503, e404=_NO_SCHEDULE))
+    def trigger(schedule_id: ScheduleId, who: CallerDep, svc: Service) -> RunList:
         visible(svc, who, schedule_id)
         return RunList(runs=[RunDocument.view(v) for v in svc.trigger(schedule_id)])
 
-    @router.post("/{schedule_id}/backfill", response_model=RunList)
-    def backfill(schedule_id: str, body: BackfillRequest, who: CallerDep, svc: Service) -> RunList:
+    @router.post(
+        "/{schedule_id}/backfill",
+        response_model=RunList,
+        responses=answers(*_BODY_ERRORS, 401, 404, 503, e404=_NO_SCHEDULE),
+    )
+    def backfill(schedule_id: ScheduleId, body: BackfillRequest, who: CallerDep, svc: Service) -> RunList:
         visible(svc, who, schedule_id)
         return RunList(runs=[RunDocument.view(v) for v in svc.backfill(schedule_id, body.start, body.end)])
 
-    @router.get("/{schedule_id}/runs", response_model=RunList)
+    @router.get(
+        "/{schedule_id}/runs", response_model=RunList, responses=answers(401, 404, 422, 503, e404=_NO_SCHEDULE)
+    )
     def runs(
-        schedule_id: str,
+        schedule_id: ScheduleId,
         who: CallerDep,
         svc: Service,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.concurrency import run_in_threadpool
 
 from oss_api.auth import Caller, Forbidden, request_caller
+from oss_api.errors import answers
 from shared.names import NAME
 from shared.pull.rules import (
     MAX_CONTENT_BYTES,
@@ -25,6 +26,7 @@ from shared.pull.rules import (
     PullStatus,
     PullTask,
     Report,
+    TaskType,
 )
 from shared.pull.service import PullService, ReservedTaskType, UnknownTaskType
 from shared.pull.steps import InvalidStepReport
@@ -122,6 +124,104 @@ class SetTask(_Body):
     task_data: SetTaskData
 
 
+# --- answers, as the OpenAPI document shows them (handlers build plain dicts) ----------------
+
+
+class Answer(BaseModel):
+    """Every v1 answer is HTTP 200 with these two fields; the others only when ``code`` is 0."""
+
+    code: int = Field(
+        ge=0,
+        le=max(CODES.values()),
+        description="0 success; " + ", ".join(f"{n} {reason}" for reason, n in CODES.items()),
+    )
+    msg: str = Field(description='"SUCCESS", or "REASON::message"')
+
+
+class TaskData(BaseModel):
+    user_id: str
+    task_id: str
+    task_type: str
+    task_stage: str
+    stage: str = Field(description="The same as task_stage (get_task's name for it)")
+    status: int = Field(description=", ".join(f"{int(s)} {s.name.lower()}" for s in PullStatus))
+    priority: int
+    crt_retry_num: int
+    max_retry_num: int
+    max_retry_interval: int
+    max_processing_time: int
+    schedule_log: str
+    task_content: str
+    order_time: int
+    create_time: int
+    modify_time: int
+
+
+class CreatedAnswer(Answer):
+    task_id: str | None = Field(default=None, description="The new (or replayed) task's id")
+
+
+class TaskAnswer(Answer):
+    task_data: TaskData | None = None
+
+
+class TaskListAnswer(Answer):
+    task_list: list[TaskData] | None = None
+
+
+class HeldAnswer(TaskListAnswer):
+    heartbeat_timeout: float | None = Field(
+        default=None, description="With heartbeat: a lease ends this many seconds after the worker's last report"
+    )
+
+
+class TypesAnswer(Answer):
+    task_schedule_cfg_list: list[TaskType] | None = None
+
+
+class CountsAnswer(Answer):
+    task_count: int | None = None
+    task_count_by_status: dict[str, int] | None = Field(default=None, description="Tasks by status (as a string)")
+
+
+def _documented(answer: type[Answer], body: type[BaseModel] | None = None, open_: bool = False) -> dict[str, Any]:
+    """Route arguments that document a v1 route: its answers, its body, its keys.
+
+    Handlers parse the body themselves (:func:`_parse`, so that a bad one is a v1
+    answer, not FastAPI's 422), hence the body schema given here by hand.
+    """
+    extra: dict[str, Any] = {}
+    if body is not None:
+        schema = _inlined(body.model_json_schema())
+        extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+    if not open_:
+        extra["security"] = [{"HTTPBearer": []}, {"APIKeyHeader": []}]
+    responses: dict[int | str, dict[str, Any]] = {200: {"model": answer, "description": "The v1 answer"}}
+    if not open_:
+        responses |= answers(401, e401="Missing or unknown API key (only when API keys are configured)")
+    if body is not None:
+        responses |= answers(413, e413="The request body is over the size limit")
+    return {"response_model": None, "responses": responses, "openapi_extra": extra}
+
+
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its local ``$defs`` references replaced by the definitions (none is recursive)."""
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(definitions[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    inlined: dict[str, Any] = inline(schema)
+    return inlined
+
+
 class V1Error(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -216,11 +316,11 @@ def v1_routes(runtime: Runtime) -> APIRouter:
             raise TaskNotFound(f"no task {task.task_id!r}")
         return task
 
-    @router.get("/ping")
+    @router.get("/ping", **_documented(Answer, open_=True))
     def ping() -> dict[str, Any]:
         return ok()
 
-    @router.post("/create_task")
+    @router.post("/create_task", **_documented(CreatedAnswer, CreateTask))
     async def create_task(request: Request) -> dict[str, Any]:
         who = request_caller(request)
         def call(body: CreateTask) -> dict[str, Any]:
@@ -237,7 +337,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
 
         return await _post(request, CreateTask, call)
 
-    @router.post("/register_task_type")
+    @router.post("/register_task_type", **_documented(Answer, RegisterTaskType))
     async def register_task_type(request: Request) -> dict[str, Any]:
         who = request_caller(request)
         def call(body: RegisterTaskType) -> dict[str, Any]:
@@ -247,7 +347,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
 
         return await _post(request, RegisterTaskType, call)
 
-    @router.post("/register_task")
+    @router.post("/register_task", **_documented(Answer, RegisterTask))
     async def register_task(request: Request) -> dict[str, Any]:
         who = request_caller(request)
         def call(body: RegisterTask) -> dict[str, Any]:
@@ -257,7 +357,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
 
         return await _post(request, RegisterTask, call)
 
-    @router.post("/hold_tasks")
+    @router.post("/hold_tasks", **_documented(HeldAnswer, HoldTasks))
     async def hold_tasks(request: Request) -> dict[str, Any]:
         who = request_caller(request)
         def call(body: HoldTasks) -> dict[str, Any]:
@@ -269,7 +369,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
 
         return await _post(request, HoldTasks, call)
 
-    @router.post("/set_task")
+    @router.post("/set_task", **_documented(Answer, SetTask))
     async def set_task(request: Request) -> dict[str, Any]:
         who = request_caller(request)
         def call(body: SetTask) -> dict[str, Any]:
@@ -287,19 +387,19 @@ def v1_routes(runtime: Runtime) -> APIRouter:
 
         return await _post(request, SetTask, call)
 
-    @router.get("/get_task")
+    @router.get("/get_task", **_documented(TaskAnswer))
     def get_task(request: Request, task_id: str = "") -> dict[str, Any]:
         who = request_caller(request)
         return _answer(lambda: ok(task_data=task_json(owner(who, service().get(_id(task_id))))))
 
-    @router.get("/get_task_schedule_cfg_list")
+    @router.get("/get_task_schedule_cfg_list", **_documented(TypesAnswer))
     def get_task_schedule_cfg_list(request: Request) -> dict[str, Any]:
         request_caller(request)
         return _answer(
             lambda: ok(task_schedule_cfg_list=[t.model_dump() for t in service().types()])
         )
 
-    @router.get("/get_task_list")
+    @router.get("/get_task_list", **_documented(TaskListAnswer))
     def get_task_list(
         request: Request,
         task_type: str | None = None,
@@ -325,7 +425,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
 
         return _answer(call)
 
-    @router.get("/get_task_counts_by_type")
+    @router.get("/get_task_counts_by_type", **_documented(CountsAnswer))
     def get_task_counts_by_type(request: Request, task_type: str = "") -> dict[str, Any]:
         who = request_caller(request)
         def call() -> dict[str, Any]:
