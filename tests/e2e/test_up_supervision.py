@@ -1,16 +1,23 @@
-"""`asyncflow up` supervises its parts: killed with SIGKILL, it takes them with it."""
+"""`asyncflow up` supervises its parts: it says "is up" only once all of them answer, refuses a
+taken port before starting anything, and killed with SIGKILL, takes its parts with it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from shared.storage import open_store
+from shared.storage.sql_processes import SqlProcessStore
 from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -41,3 +48,61 @@ def test_children_of_up_die_with_it_even_on_sigkill(tmp_path: Path) -> None:
         up.send_signal(signal.SIGKILL)  # the main process only, as `kill -9 <pid>` does
         up.wait(timeout=10)
         wait_for(lambda: not any(alive(p) for p in parts), 30, f"the parts of up ({sorted(parts)}) to stop")
+
+
+GATED_FLOWS = """
+modules:
+  gated: {import: gatemod}
+  monitor: {import: modules.monitor}
+flows:
+  gated_one:
+    steps:
+      - normal: {module: gated, command: step, timeout: 10}
+"""
+
+
+def live_roles(stack: Stack, children: set[int]) -> set[str]:
+    """The roles whose registry row (shared.presence) a child of `up` keeps."""
+    store = SqlProcessStore(open_store(f"sqlite:///{stack.home / 'asyncflow.sqlite'}"))
+    try:
+        return {r.role for r in store.list() if r.stopped_at is None and r.pid in children}
+    finally:
+        store.sql.engine.dispose()
+
+
+def test_up_says_it_is_up_only_once_every_part_answers(tmp_path: Path) -> None:
+    """The worker is held in its start-up: the API and the scheduler answer, yet `up` is not up."""
+    flows, gate = tmp_path / "flows.yaml", tmp_path / "gate"
+    flows.write_text(GATED_FLOWS)
+    env = {"ASYNCFLOW_FLOWS": str(flows), "GATEMOD_OPEN": str(gate), "ASYNCFLOW_HEARTBEAT_INTERVAL": "0.5"}
+    with open_stack("embedded", tmp_path, env=env, groups=None) as stack:  # returns once /healthz answers
+        up = stack.procs["up"]
+        wait_for(lambda: "scheduler" in live_roles(stack, children_of(up.pid)), 30, "the scheduler to register")
+        assert "worker" not in live_roles(stack, children_of(up.pid))  # it waits at the gate
+        assert "asyncflow is up" not in stack.log("up", tail=None)
+        gate.touch()
+        wait_for(lambda: "asyncflow is up" in stack.log("up", tail=None), 30, "up to say it is up")
+        assert {"scheduler", "worker"} <= live_roles(stack, children_of(up.pid))
+        assert stack.run_cli("submit", "gated_one", "--wait", timeout=60).returncode == 0
+
+
+def test_a_second_up_on_a_taken_port_says_so_at_once(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCFLOW_")}
+    env |= {"ASYNCFLOW_HOME": str(tmp_path / "home"), "ASYNCFLOW_FLOWS": str(Path("flows.yaml").resolve())}
+    with socket.socket() as taken:  # what a running `up` holds
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        second = subprocess.run(
+            [sys.executable, "-m", "asyncflow", "up", "--port", str(port)],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        )
+        took = time.monotonic() - started
+    assert second.returncode == 1, second.stderr
+    assert f"the API cannot listen on 127.0.0.1:{port}" in second.stderr
+    assert f"asyncflow up --port {port + 1}" in second.stderr
+    assert took < 8, f"refused only after {took:.1f}s"
+    # Nothing was started: no migration ran, no part logged a line.
+    assert not (tmp_path / "home" / "asyncflow.sqlite").exists()
+    assert "api[" not in second.stderr and "is up" not in second.stderr
