@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 import click
+from rich.console import Console
 
 from asyncflow import schedules_view as view
-from asyncflow.client import ApiClient, ApiError, follow, parse_param, render
+from asyncflow import task_view
+from asyncflow.client import ApiClient, ApiError, parse_param
 from shared.config import Settings, load_settings
-from shared.flows import FlowsError, load_flows
+from shared.flows import FlowsError, FlowSet, load_flows
 from shared.schedules.model import Overlap
-from shared.states import STOPPED
 
 
 def _settings() -> Settings:
@@ -72,10 +75,9 @@ def worker(modules: tuple[str, ...], concurrency: int | None, metrics_port: int 
     """Consume the queues of MODULES (e.g. `asyncflow worker resource mysql`)."""
     settings = _settings()
     port = metrics_port or settings.worker_metrics_port
-    if port:
-        from asyncflow.metrics import prepare_multiprocess
+    from asyncflow.metrics import prepare_multiprocess
 
-        prepare_multiprocess(settings)  # before anything creates a metric
+    prepare_multiprocess(settings)  # before anything creates a metric: the pool's add up in this process
     from asyncflow.serve import run_worker
 
     try:
@@ -94,16 +96,42 @@ def scheduler() -> None:
     run_scheduler(settings)
 
 
+@main.command()
+@click.argument("role", type=click.Choice(["worker", "scheduler", "api"]))
+def health(role: str) -> None:
+    """Exit 0 when a ROLE process on this host renewed its registry row lately (a container healthcheck)."""
+    import time
+
+    from asyncflow import liveness
+    from shared.runtime import Runtime
+    from shared.storage import StorageError
+
+    settings = _settings()
+    host = liveness.this_host()
+    try:
+        problem = liveness.health(
+            Runtime(settings).process_store, role, host, time.time(), settings.heartbeat_interval
+        )
+    except StorageError as exc:
+        problem = f"cannot read the process registry: {exc}"
+    if problem:
+        click.echo(problem, err=True)
+        sys.exit(1)
+    click.echo(f"{role} on {host}: alive")
+
+
 # --- tasks -------------------------------------------------------------------------
+
+PARAM_HELP = "KEY=VALUE (VALUE parsed as JSON if it can be: 4, true, [1], {\"a\": 1}); repeatable"
 
 
 @main.command()
 @click.argument("flow")
-@click.option("--param", "-p", "params", multiple=True, help="KEY=VALUE (VALUE parsed as JSON if it can be)")
+@click.option("--param", "-p", "params", multiple=True, help=PARAM_HELP)
 @click.option("--task-id", default=None, help="Client task id: resubmitting it returns the same task")
-@click.option("--priority", type=int, default=0)
-@click.option("--user", "user_id", default=None)
-@click.option("--wait", is_flag=True, help="Follow the task until it stops")
+@click.option("--priority", type=int, default=0, help="Higher runs first when queues are busy")
+@click.option("--user", "user_id", default=None, help="Owner of the task (admin keys; else the key's user)")
+@click.option("--wait", is_flag=True, help="Print each change until the task stops, then the task; exit 1 unless it succeeded")
 def submit(flow: str, params: tuple[str, ...], task_id: str | None, priority: int, user_id: str | None, wait: bool) -> None:
     """Submit a task of FLOW."""
     client = _client()
@@ -117,53 +145,117 @@ def submit(flow: str, params: tuple[str, ...], task_id: str | None, priority: in
     doc = client.call("POST", "/api/tasks", json=body)
     click.echo(f"task {doc['task_id']} submitted ({flow})")
     if wait:
-        doc = follow(lambda: client.call("GET", f"/api/tasks/{doc['task_id']}"), click.echo)
-        click.echo(render(doc))
-        sys.exit(0 if doc["task_status"] == 0 else 1)
+        _wait(client, doc["task_id"], first=doc)
+
+
+def _fetch(client: ApiClient, task_id: str) -> Callable[[], dict[str, Any]]:
+    return lambda: client.call("GET", f"/api/tasks/{task_id}")
+
+
+def _wait(client: ApiClient, task_id: str, first: dict[str, Any] | None = None) -> NoReturn:
+    """One line per change until the task stops, then the task; exit 0 only if it succeeded."""
+    doc = task_view.follow(_fetch(client, task_id), click.echo, first=first)
+    click.echo()
+    click.echo(task_view.render(doc))
+    sys.exit(0 if doc["task_status"] == 0 else 1)
 
 
 @main.command()
 @click.argument("task_id")
-@click.option("--watch", is_flag=True, help="Refresh until the task stops")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw task document")
-def status(task_id: str, watch: bool, as_json: bool) -> None:
-    """Show a task: status, steps, parameters and every attempt."""
+@click.option(
+    "--watch", is_flag=True,
+    help="Follow the task until it stops: on a terminal a live view redrawn in place (steps, durations, "
+    "timeline, the running attempt's progress); else one line per change. Exit 1 unless it succeeded",
+)
+@click.option("--wait", is_flag=True, help="Print one line per change until the task stops, then the task; exit 1 unless it succeeded")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw task document (once stopped, with --watch or --wait)")
+def status(task_id: str, watch: bool, wait: bool, as_json: bool) -> None:
+    """Show a task: status, steps, parameters, every attempt and its history."""
     client = _client()
-    while True:
-        doc = client.call("GET", f"/api/tasks/{task_id}")
-        click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
-        if not watch or doc["task_status"] in STOPPED:
-            return
-        time.sleep(1)
-        click.echo()
+    fetch = _fetch(client, task_id)
+    if as_json:
+        doc = task_view.follow(fetch, lambda _line: None) if watch or wait else fetch()
+        click.echo(json.dumps(doc, indent=2))
+        return
+    if wait:
+        _wait(client, task_id)
+    if not watch:
+        click.echo(task_view.render(fetch()))
+        return
+    console = Console()  # on sys.stdout: is it a terminal?
+    if console.is_terminal:
+        doc = task_view.watch_live(fetch, console)
+    else:
+        doc = task_view.follow(fetch, click.echo, interval=0.5)
+    sys.exit(0 if doc["task_status"] == 0 else 1)
 
 
 @main.command("list")
-@click.option("--flow", default=None)
-@click.option("--status", "status_code", type=int, default=None)
-@click.option("--user", "user_id", default=None)
-@click.option("--limit", type=int, default=20)
-def list_tasks(flow: str | None, status_code: int | None, user_id: str | None, limit: int) -> None:
-    """List tasks, newest first."""
+@click.option("--flow", default=None, help="Only tasks of this flow")
+@click.option("--status", "status_code", type=task_view.STATUS, default=None,
+              help=f"Only tasks in this status: {task_view.STATUS_HELP}")
+@click.option("--user", "user_id", default=None, help="Only tasks of this user (admin keys; else the key's own)")
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True, help="At most this many")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw task documents")
+def list_tasks(flow: str | None, status_code: int | None, user_id: str | None, limit: int, as_json: bool) -> None:
+    """List tasks, newest first: id, flow, status, created (local time), duration, user, message."""
     params = {k: v for k, v in dict(flow=flow, status=status_code, user_id=user_id, limit=limit).items() if v is not None}
-    for doc in _client().call("GET", "/api/tasks", params=params)["tasks"]:
-        click.echo(
-            f"{doc['task_id']}  {doc['flow']:<24} status {doc['task_status']} {doc['status_name']:<16}"
-            f" cursor {doc['task_cursor']}  {doc['task_message'] or ''}"
-        )
+    docs = _client().call("GET", "/api/tasks", params=params)["tasks"]
+    if as_json:
+        click.echo(json.dumps(docs, indent=2))
+    elif docs:
+        click.echo(task_view.tasks_table(docs))
+    else:
+        click.echo("no tasks" + (" match" if len(params) > 1 else ""))
 
 
-def _operation(name: str, help_text: str) -> None:
-    @main.command(name, help=help_text)
-    @click.argument("task_id")
-    def command(task_id: str) -> None:
-        doc = _client().call("POST", f"/api/tasks/{task_id}/{name}")
-        click.echo(f"task {task_id}: status {doc['task_status']} {doc['status_name']}")
+@main.command()
+@click.argument("task_id")
+def cancel(task_id: str) -> None:
+    """Cancel a running task: its current attempt ends, then completed steps are compensated."""
+    doc = _client().call("POST", f"/api/tasks/{task_id}/cancel")
+    click.echo(f"task {task_id}: {task_view.status_text(doc)}")
 
 
-_operation("cancel", "Cancel a running task: its current attempt ends, then completed steps are compensated.")
-_operation("retry", "Run a failed or cancelled task again from its failed step.")
-_operation("resume", "Resume the compensation of a task whose rollback failed.")
+@main.command()
+@click.argument("task_id")
+@click.option("--param", "-p", "params", multiple=True, help=f"Correct a parameter first: {PARAM_HELP}")
+def retry(task_id: str, params: tuple[str, ...]) -> None:
+    """Run a failed or cancelled task again from its failed step (earlier steps whose work was undone first).
+
+    Each --param is merged over the task's parameters before it runs, checked as a submit's would be,
+    and recorded in the task's history.
+    """
+    _operate("retry", task_id, params)
+
+
+@main.command()
+@click.argument("task_id")
+@click.option("--param", "-p", "params", multiple=True, help=f"Correct a parameter first: {PARAM_HELP}")
+def resume(task_id: str, params: tuple[str, ...]) -> None:
+    """Resume the compensation of a task whose rollback failed, from that rollback.
+
+    Each --param is merged over the task's parameters first, as with retry.
+    """
+    _operate("resume", task_id, params)
+
+
+def _operate(action: str, task_id: str, params: tuple[str, ...]) -> None:
+    client = _client()
+    body = {"parameters": dict(parse_param(p) for p in params)} if params else None
+    try:
+        doc = client.call("POST", f"/api/tasks/{task_id}/{action}", json=body)
+    except ApiError as exc:
+        raise click.ClickException(exc.describe({"parameters": "--param"})) from None
+    click.echo(f"task {task_id}: {action} accepted, {task_view.status_text(doc)}")
+    if params:
+        # What was recorded: the history's newest entry is this action.
+        events = client.call("GET", f"/api/tasks/{task_id}")["events"] or []
+        changed = task_view.parameter_changes(events[-1]["detail"]) if events else []
+        for line in changed:
+            click.echo(f"  {line}")
+        if not changed:
+            click.echo("  parameters unchanged (the values given were already the task's)")
 
 
 # --- schedules ---------------------------------------------------------------------------
@@ -358,13 +450,65 @@ def flows() -> None:
     """flows.yaml tools."""
 
 
-@flows.command("validate")
+@flows.command("check")
 @click.argument("file", required=False, type=click.Path(path_type=Path))
-def validate(file: Path | None) -> None:
-    """Check FILE (default: $ASYNCFLOW_FLOWS or ./flows.yaml), including module commands."""
+def flows_check(file: Path | None) -> None:
+    """Check FILE (default: $ASYNCFLOW_FLOWS or ./flows.yaml), including module commands.
+
+    Prints each problem with the file, flow and field; exits 1 if there is one.
+    """
     path = file or _settings().flows
-    flow_set = _load(path, check_commands=True)
+    flow_set = _checked_flows(path, check_commands=True)
     click.echo(f"{path}: {len(flow_set.flows)} flows OK ({', '.join(sorted(flow_set.flows))})")
+
+
+# The command's name before `check`, kept for scripts.
+flows.add_command(click.Command("validate", callback=flows_check.callback, params=flows_check.params, hidden=True))
+
+
+@flows.command("reload")
+@click.option(
+    "--pid", type=int, default=None,
+    help="Signal this process (an `asyncflow api`, `scheduler` or `up`) instead of the `asyncflow up` "
+    "named by up.pid under $ASYNCFLOW_HOME",
+)
+def flows_reload(pid: int | None) -> None:
+    """Check flows.yaml, then have the running processes use it, without a restart.
+
+    An invalid file is refused (exit 1) and the processes keep the flows they have.
+    Workers need no reload. By hand: `kill -HUP` the API and scheduler processes.
+    """
+    from shared import reload
+
+    settings = _settings()
+    up = reload.find_up(settings.home) if pid is None else None
+    if pid is None and up is None:
+        raise click.ClickException(
+            f"no running `asyncflow up` found ({settings.home / reload.PIDFILE}); give --pid of the process to reload"
+        )
+    # `up` runs workers here, so its file must name commands they have; an API or a
+    # scheduler alone does not import module code.
+    fresh = _checked_flows(up.flows if up else settings.flows, check_commands=up is not None)
+    target = up.pid if up else pid
+    assert target is not None
+    if not reload.handles_hangup(target):
+        raise click.ClickException(f"process {target} does not reload on SIGHUP (not an asyncflow process?)")
+    try:
+        os.kill(target, signal.SIGHUP)
+    except ProcessLookupError:
+        raise click.ClickException(f"no process {target}") from None
+    if up is None:
+        click.echo(f"process {target} signalled to reload {settings.flows}")
+        return
+    parts = ", ".join(f"{name} (pid {p})" for name, p in up.parts.items() if name in reload.HOLDING_FLOWS)
+    click.echo(f"asyncflow up (pid {up.pid}) signalled to reload {up.flows}; it passes it on to {parts}")
+    unserved = sorted(fresh.push_module_names() - set(up.modules))
+    if unserved:
+        click.echo(
+            f"module(s) {', '.join(unserved)} have no worker under this `up`: their steps wait in their queues "
+            f"until `asyncflow worker {' '.join(unserved)}` runs or `up` restarts",
+            err=True,
+        )
 
 
 @main.group()
@@ -387,6 +531,16 @@ def _load(path: Path, check_commands: bool = False):  # type: ignore[no-untyped-
         return load_flows(path, check_commands=check_commands)
     except FlowsError as exc:
         _fail(exc)
+
+
+def _checked_flows(path: Path, check_commands: bool) -> FlowSet:
+    """The flows of ``path``; each problem printed and exit 1 when it has any."""
+    try:
+        return load_flows(path, check_commands=check_commands)
+    except FlowsError as exc:
+        for problem in exc.problems:
+            click.echo(problem, err=True)
+        raise SystemExit(1) from None
 
 
 def _check_api_keys(settings: Settings) -> None:

@@ -6,19 +6,23 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 
+from asyncflow import liveness
+from shared import preflight, presence, reload
 from shared.config import Settings
 from shared.logs import setup_logging
 from shared.messaging import bound_shutdown, queue_name
 from shared.migrate import upgrade
 from shared.runtime import Runtime
 from shared.schedules.service import InvalidSchedule
-from shared.storage import patiently
+from shared.storage import StorageError, patiently
+from shared.storage.base import ProcessStore
 
 log = logging.getLogger(__name__)
 
@@ -28,26 +32,24 @@ def run_api(settings: Settings, host: str, port: int) -> None:
 
     from oss_api.app import create_app
 
-    setup_logging(settings.log_level, "api")
+    setup_logging(settings, "api")
+    preflight.check_servers(settings)
     if settings.migrate_on_start:
         upgrade(settings.resolved_database_url())
     runtime = Runtime(settings)
     runtime.flows  # noqa: B018 - fail at start-up on a bad flows.yaml, not on first request
     if settings.api_workers == 1:
+        reload.reload_on_hangup(runtime)
         uvicorn.run(create_app(runtime), host=host, port=port, log_config=None, access_log=False)
         return
-    # Each worker process builds its app from the same environment; /metrics adds them up.
-    from asyncflow.metrics import prepare_multiprocess
-
-    prepare_multiprocess(settings)
-    uvicorn.run(
-        "oss_api.app:app_from_environment", factory=True, workers=settings.api_workers,
-        host=host, port=port, log_config=None, access_log=False,
-    )
+    # Each worker process builds its app from the same environment and keeps its own
+    # registry row (shared.presence); /metrics adds them up.
+    reload.serve_api_workers(runtime, host, port)  # uvicorn's supervisor, passing SIGHUP on
 
 
 def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics_port: int = 0) -> None:
-    setup_logging(settings.log_level, "worker")
+    setup_logging(settings, "worker")
+    preflight.check_servers(settings)
     if metrics_port:
         from asyncflow.metrics import serve_multiprocess
 
@@ -57,6 +59,7 @@ def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics
     for module in consumer.modules.values():
         module.start(settings)  # fail now, not on the first message
     bound_shutdown(runtime.celery, consumer, settings.shutdown_grace)
+    presence.serve_worker(runtime, modules, concurrency)  # its registry row, with its pool's metrics
     queues = ",".join(queue_name(m) for m in modules)
     log.info("consuming %s with %d processes", queues, concurrency)
     runtime.celery.worker_main(
@@ -78,7 +81,8 @@ def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> No
 
     The schedules of flows.yaml are applied first; a wrong one stops the start.
     """
-    setup_logging(settings.log_level, "scheduler")
+    setup_logging(settings, "scheduler")
+    preflight.check_servers(settings)
     if settings.migrate_on_start:
         upgrade(settings.resolved_database_url())
     runtime = Runtime(settings)
@@ -91,7 +95,9 @@ def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> No
         )
     except InvalidSchedule as exc:
         raise SystemExit(f"{settings.flows}: {exc}") from None
-    runtime.scheduler.run(stop)
+    reload.reload_on_hangup(runtime, declare_schedules=True)
+    with presence.serving_scheduler(runtime):
+        runtime.scheduler.run(stop)
 
 
 def _stop_on_signals() -> threading.Event:
@@ -123,30 +129,22 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 
 def run_all(settings: Settings, port: int, modules: list[str]) -> int:
     """`asyncflow up`: API, scheduler and one worker for every module, supervised."""
-    setup_logging(settings.log_level, "up")
+    setup_logging(settings, "up")
+    _refuse_taken_port(settings.api_host, port)  # before anything starts: a second `up` stops here
+    preflight.check_servers(settings)
     upgrade(settings.resolved_database_url())
     env = dict(os.environ, ASYNCFLOW_MIGRATE_ON_START="false", ASYNCFLOW_API_PORT=str(port))
     cmd = [sys.executable, "-m", "asyncflow"]
     die_with_us = _die_with_parent(os.getpid())
+    stop = _stop_on_signals()
     children = {
         "api": subprocess.Popen([*cmd, "api", "--port", str(port)], env=env, preexec_fn=die_with_us),
         "scheduler": subprocess.Popen([*cmd, "scheduler"], env=env, preexec_fn=die_with_us),
     }
     if modules:  # none when every module is pull-mode (worked through the v1 API)
         children["worker"] = subprocess.Popen([*cmd, "worker", *modules], env=env, preexec_fn=die_with_us)
-    log.info(
-        "asyncflow is up: API on http://%s:%d (docs at /docs), database %s, broker %s",
-        settings.api_host, port, settings.resolved_database_url(), settings.resolved_broker_url(),
-    )
-    stop = _stop_on_signals()
-    code = 0
-    while not stop.is_set():
-        dead = {name: p.returncode for name, p in children.items() if p.poll() is not None}
-        if dead:
-            log.error("stopping everything: %s exited", dead)
-            code = 1
-            break
-        stop.wait(0.5)
+    reload.forward_hangup(settings, children, modules)
+    code = _supervise(settings, port, children, stop)
     for proc in children.values():
         if proc.poll() is None:
             proc.terminate()
@@ -157,3 +155,76 @@ def run_all(settings: Settings, port: int, modules: list[str]) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return code
+
+
+def _refuse_taken_port(host: str, port: int) -> None:
+    """Stop `up` at once when the API could not listen on ``host``:``port``.
+
+    Bound as uvicorn binds (SO_REUSEADDR), so a port left in TIME_WAIT by a
+    stopped `up` is not taken for a busy one.
+    """
+    try:
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        raise SystemExit(
+            f"asyncflow up: the API cannot listen on {host}:{port} ({exc.strerror or exc}). "
+            f"Is another `asyncflow up` or `asyncflow api` running? Stop it, or choose another port: "
+            f"`asyncflow up --port {port + 1}` (or ASYNCFLOW_API_PORT)."
+        ) from None
+
+
+# How often `up` says which parts it still waits for.
+WAITING_NOTE_EVERY = 15.0
+
+
+def _supervise(
+    settings: Settings, port: int, children: dict[str, subprocess.Popen[bytes]], stop: threading.Event
+) -> int:
+    """Say "is up" once every part answers; then watch them until a stop signal (0) or a death (1).
+
+    The API answers by /healthz; the scheduler and the worker by their registry
+    rows (shared.presence), renewed once they reached the database.
+    """
+    url = liveness.local_url(settings.api_host, port)
+    store = Runtime(settings).process_store
+    host = liveness.this_host()
+    waiting = set(children)
+    note_at = time.monotonic() + WAITING_NOTE_EVERY
+    while not stop.is_set():
+        dead = {name: p.returncode for name, p in children.items() if p.poll() is not None}
+        if dead:
+            log.error("stopping everything: %s exited", dead)
+            return 1
+        if waiting:
+            waiting -= _answering(waiting, children, url, store, host, settings.heartbeat_interval)
+            if not waiting:
+                log.info(
+                    "asyncflow is up: API on %s (docs at /docs), database %s, broker %s",
+                    url, settings.resolved_database_url(), settings.resolved_broker_url(),
+                )
+            elif time.monotonic() >= note_at:
+                log.info("waiting for %s to answer", ", ".join(sorted(waiting)))
+                note_at += WAITING_NOTE_EVERY
+        stop.wait(0.2 if waiting else 0.5)
+    return 0
+
+
+def _answering(
+    names: set[str], children: dict[str, subprocess.Popen[bytes]], url: str, store: ProcessStore, host: str,
+    interval: float,
+) -> set[str]:
+    answering = set()
+    if "api" in names and liveness.api_answers(url):
+        answering.add("api")
+    others = names - {"api"}
+    if others:
+        try:
+            pids = liveness.seen_pids(store, host, time.time(), interval)
+        except StorageError as exc:
+            log.debug("reading the process registry failed: %s", exc)
+            pids = set()
+        answering |= {name for name in others if children[name].pid in pids}
+    return answering

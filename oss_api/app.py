@@ -3,23 +3,38 @@
 # No `from __future__ import annotations`: FastAPI reads the route annotations,
 # some of which are built inside the factory from the settings.
 
+import asyncio
 import logging
-import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from oss_api import errors
-from oss_api.auth import CallerDep, caller, list_user, load_keys, log_mode, submit_user, visible_task
+from oss_api import docs, errors
+from oss_api.auth import (
+    ANY_TASK_ID,
+    Caller,
+    CallerDep,
+    caller,
+    list_user,
+    load_keys,
+    log_mode,
+    submit_user,
+    visible_task,
+)
 from oss_api.limits import BodyLimit, check_parameters_size
+from oss_api.metrics import StackMetrics
 from oss_api.schedules import schedule_routes
-from oss_api.schemas import SubmitRequest, TaskDocument, TaskList, UserId
+from oss_api.schemas import OperationRequest, SubmitRequest, TaskDocument, TaskList, UserId, path_id
+from oss_api.ui import install as install_ui
 from oss_api.v1 import v1_routes
 from shared.config import load_settings
 from shared.logs import setup_logging
 from shared.names import NAME
+from shared.presence import Presence, version
+from shared.reload import reload_on_hangup
 from shared.runtime import Runtime
 from shared.saga import Cancel, Resume, Retry
 from shared.service import TaskService
@@ -33,31 +48,51 @@ def create_app(runtime: Runtime) -> FastAPI:
     """Raises :class:`oss_api.auth.AuthConfigError` when the configured API keys are unusable."""
     settings = runtime.settings
     keys = load_keys(settings)
+    # This API process in the registry, renewed while the app runs (each of several uvicorn workers its own).
+    presence = Presence(
+        runtime.process_store,
+        "api",
+        settings.heartbeat_interval,
+        detail=lambda: {"url": settings.resolved_api_url(), "version": version()},
+    )
+    stack_metrics = StackMetrics(runtime, presence)
     app = FastAPI(
+        lifespan=_registered(presence, stack_metrics),
         title="Asyncflow",
         version="0.1.0",
         description="Submit multi-step tasks by flow name, watch them, cancel, retry, resume. "
         "With API keys configured, /api needs `Authorization: Bearer <key>` (or `X-API-Key`); "
-        "/healthz, /metrics, /docs and /openapi.json stay open.",
+        "/healthz, /metrics, /docs, /redoc and /openapi.json stay open.",
+        # Served from the package by oss_api.docs (no CDN).
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.runtime = runtime
     app.state.api_keys = keys
     log_mode(keys)
     errors.install(app)
+    docs.install(app)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(_task_routes(runtime))
     app.include_router(v1_routes(runtime))
     app.include_router(schedule_routes(runtime))
+    install_ui(app, runtime)  # the dashboard at /ui (oss_api/ui), left out of the OpenAPI schema
 
-    @app.get("/healthz", tags=["operations"])
+    @app.get("/healthz", tags=["operations"], responses=errors.answers(503))
     def healthz() -> dict[str, str]:
         runtime.store.ping()
         return {"status": "ok"}
 
-    @app.get("/metrics", tags=["operations"], response_class=Response)
+    @app.get(
+        "/metrics",
+        tags=["operations"],
+        response_class=Response,
+        responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     def metrics() -> Response:
-        return Response(generate_latest(_registry()), media_type=CONTENT_TYPE_LATEST)
+        """The whole stack's metrics: every API process, worker and scheduler (README "Metrics")."""
+        return Response(stack_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -65,17 +100,42 @@ def create_app(runtime: Runtime) -> FastAPI:
 def app_from_environment() -> FastAPI:
     """The app of one of several API processes (``asyncflow api --workers N``)."""
     settings = load_settings()
-    setup_logging(settings.log_level, "api")
-    return create_app(Runtime(settings))
+    setup_logging(settings, "api")
+    runtime = Runtime(settings)
+    reload_on_hangup(runtime)  # the supervisor passes SIGHUP on: shared.reload.serve_api_workers
+    return create_app(runtime)
 
 
-def _registry() -> CollectorRegistry:
-    """The metrics of every API process when there are several, else of this one."""
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        return REGISTRY
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # untyped in prometheus_client
-    return registry
+def _registered(presence: Presence, stack_metrics: StackMetrics) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: its process is in the registry while it serves."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        presence.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(presence.stop)
+            stack_metrics.close()
+
+    return lifespan
+
+
+# The answers of the /api/tasks routes besides their success (oss_api.errors.answers).
+_NO_TASK = "No such task (or another user's)"
+_TASK_ERRORS = errors.answers(401, 404, 503, e404=_NO_TASK)
+_OPERATION_ERRORS = errors.answers(401, 404, 409, 503, e404=_NO_TASK, e409="The task's state does not allow the action")
+_CORRECTION_ERRORS = errors.answers(
+    400,
+    413,
+    422,
+    e400="Malformed JSON body, or NaN or Infinity in parameters",
+    e413="The body, or the task's parameters once corrected, are over the size limit",
+    e422="Invalid body, or corrected parameters the flow's declaration refuses (detail names each)",
+)
+
+
+TaskId = Annotated[str, path_id(ANY_TASK_ID.pattern, "task")]
 
 
 def _task_routes(runtime: Runtime) -> APIRouter:
@@ -87,7 +147,28 @@ def _task_routes(runtime: Runtime) -> APIRouter:
 
     Service = Annotated[TaskService, Depends(service)]
 
-    @router.post("/tasks", status_code=201, response_model=TaskDocument)
+    @router.post(
+        "/tasks",
+        status_code=201,
+        response_model=TaskDocument,
+        responses={
+            200: {"model": TaskDocument, "description": "The task already stored under this task_id (a replay)"},
+            **errors.answers(
+                400,
+                401,
+                403,
+                404,
+                409,
+                413,
+                422,
+                503,
+                e403="The key's user may not submit for another user_id",
+                e404="Unknown flow",
+                e409="The task_id is taken by a task of another flow or user",
+                e422="Invalid body, or parameters the flow's declaration refuses (detail names each)",
+            ),
+        },
+    )
     def submit(
         body: SubmitRequest,
         who: CallerDep,
@@ -108,12 +189,17 @@ def _task_routes(runtime: Runtime) -> APIRouter:
             response.status_code = 200
         return TaskDocument.of(task)
 
-    @router.get("/tasks/{task_id}", response_model=TaskDocument)
-    def get_task(task_id: str, who: CallerDep, svc: Service) -> TaskDocument:
+    @router.get("/tasks/{task_id}", response_model=TaskDocument, responses=_TASK_ERRORS)
+    def get_task(task_id: TaskId, who: CallerDep, svc: Service) -> TaskDocument:
         origin = runtime.schedules.origins([task_id]).get(task_id)
-        return TaskDocument.of(visible_task(svc, who, task_id), svc.attempts(task_id), origin)
+        task = visible_task(svc, who, task_id)
+        return TaskDocument.of(task, svc.attempts(task_id), origin, svc.events(task_id))
 
-    @router.get("/tasks", response_model=TaskList)
+    @router.get(
+        "/tasks",
+        response_model=TaskList,
+        responses=errors.answers(401, 403, 422, 503, e403="The key's user may not list another user's tasks"),
+    )
     def list_tasks(
         who: CallerDep,
         svc: Service,
@@ -132,22 +218,36 @@ def _task_routes(runtime: Runtime) -> APIRouter:
         origins = runtime.schedules.origins(t.task_id for t in found)
         return TaskList(tasks=[TaskDocument.of(t, origin=origins.get(t.task_id)) for t in found])
 
-    @router.post("/tasks/{task_id}/cancel", response_model=TaskDocument)
-    def cancel(task_id: str, who: CallerDep, svc: Service) -> TaskDocument:
+    @router.post("/tasks/{task_id}/cancel", response_model=TaskDocument, responses=_OPERATION_ERRORS)
+    def cancel(task_id: TaskId, who: CallerDep, svc: Service) -> TaskDocument:
         visible_task(svc, who, task_id)
-        return TaskDocument.of(svc.operate(task_id, Cancel()))
+        return TaskDocument.of(svc.operate(task_id, Cancel(), actor=who.user))
 
-    @router.post("/tasks/{task_id}/retry", response_model=TaskDocument)
-    def retry(task_id: str, who: CallerDep, svc: Service) -> TaskDocument:
-        visible_task(svc, who, task_id)
-        return TaskDocument.of(svc.operate(task_id, Retry()))
+    def corrections(task_id: str, who: Caller, svc: TaskService, body: OperationRequest | None) -> dict[str, Any]:
+        task = visible_task(svc, who, task_id)
+        if body is None or not body.parameters:
+            return {}
+        # The task's parameters once corrected must fit as a submit's would.
+        check_parameters_size({**task.parameters, **body.parameters}, settings.max_parameters_bytes)
+        return body.parameters
 
-    @router.post("/tasks/{task_id}/resume", response_model=TaskDocument)
-    def resume(task_id: str, who: CallerDep, svc: Service) -> TaskDocument:
-        visible_task(svc, who, task_id)
-        return TaskDocument.of(svc.operate(task_id, Resume()))
+    @router.post(
+        "/tasks/{task_id}/retry", response_model=TaskDocument, responses=_OPERATION_ERRORS | _CORRECTION_ERRORS
+    )
+    def retry(task_id: TaskId, who: CallerDep, svc: Service, body: OperationRequest | None = None) -> TaskDocument:
+        """Run a failed or cancelled task again from its failed step; ``parameters`` correct its own first."""
+        parameters = corrections(task_id, who, svc, body)
+        return TaskDocument.of(svc.operate(task_id, Retry(parameters), actor=who.user))
 
-    @router.get("/flows", tags=["flows"], dependencies=[Depends(caller)])
+    @router.post(
+        "/tasks/{task_id}/resume", response_model=TaskDocument, responses=_OPERATION_ERRORS | _CORRECTION_ERRORS
+    )
+    def resume(task_id: TaskId, who: CallerDep, svc: Service, body: OperationRequest | None = None) -> TaskDocument:
+        """Compensate again from the rollback that failed; ``parameters`` correct the task's first."""
+        parameters = corrections(task_id, who, svc, body)
+        return TaskDocument.of(svc.operate(task_id, Resume(parameters), actor=who.user))
+
+    @router.get("/flows", tags=["flows"], dependencies=[Depends(caller)], responses=errors.answers(401))
     def list_flows() -> dict[str, Any]:
         return {
             "flows": [

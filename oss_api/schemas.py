@@ -5,13 +5,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
+from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
 from shared.schedules.model import Run
 from shared.states import Phase, StepState, StepType, TaskStatus
 from shared.storable import json_problem
-from shared.storage import AttemptRecord
+from shared.storage import AttemptRecord, TaskEvent
 from shared.task import Step, Task
 
 TASK_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
@@ -25,8 +27,34 @@ def _printable(value: str | None) -> str | None:
 
 
 # A user id: free text up to 128 characters, without control characters (NUL above all,
-# which PostgreSQL cannot store).
-UserId = Annotated[str | None, Field(max_length=128), AfterValidator(_printable)]
+# which PostgreSQL cannot store). The pattern is for the document: the validator says
+# what is wrong in words.
+UserId = Annotated[
+    str | None,
+    Field(max_length=128, json_schema_extra={"pattern": r"^[^\x00-\x1F\x7F]*$"}),
+    AfterValidator(_printable),
+]
+
+# Keys and strings anywhere in parameters: no NUL (PostgreSQL cannot store it); the
+# document says so for the top-level keys, json_problem checks every level.
+_PARAMETERS_SCHEMA: JsonDict = {"propertyNames": {"pattern": r"^[^\x00]*$"}}
+
+
+def path_id(pattern: str, what: str) -> Any:
+    """A path parameter documented as matching ``pattern`` whole, which the handler checks itself.
+
+    An id that no stored item can have answers 404 like a missing one, not FastAPI's 422.
+    """
+    anchored = f"^{pattern.removeprefix('^').removesuffix('$')}$"
+    return Path(description=f"The {what}'s id", json_schema_extra={"pattern": anchored})
+
+
+def storable_parameters(value: dict[str, Any]) -> dict[str, Any]:
+    """``value``, if the stores can hold it (:func:`shared.storable.json_problem`)."""
+    problem = json_problem(value, "parameters")
+    if problem:
+        raise PydanticCustomError("unstorable_json", "{problem}", {"problem": problem})
+    return value
 
 
 class SubmitRequest(BaseModel):
@@ -34,7 +62,10 @@ class SubmitRequest(BaseModel):
 
     flow: str = Field(max_length=64, description="Name of a flow in flows.yaml")
     parameters: dict[str, Any] = Field(
-        default_factory=dict, description="Shared Parameters (a JSON object, at most 64 KiB)"
+        default_factory=dict,
+        description="Shared Parameters (a JSON object, at most 64 KiB serialized, nested at most 32 deep; "
+        "no NUL character in any key or string)",
+        json_schema_extra=_PARAMETERS_SCHEMA,
     )
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     user_id: UserId = Field(
@@ -49,10 +80,41 @@ class SubmitRequest(BaseModel):
     @field_validator("parameters")
     @classmethod
     def _storable(cls, value: dict[str, Any]) -> dict[str, Any]:
-        problem = json_problem(value, "parameters")
-        if problem:
-            raise PydanticCustomError("unstorable_json", "{problem}", {"problem": problem})
-        return value
+        return storable_parameters(value)
+
+
+class OperationRequest(BaseModel):
+    """The optional body of retry and resume."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    parameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Corrections merged over the task's parameters before it runs again (a JSON object, "
+        "at most 64 KiB); checked against the flow's declared parameters, and recorded in its history",
+        json_schema_extra=_PARAMETERS_SCHEMA,
+    )
+
+    @field_validator("parameters")
+    @classmethod
+    def _storable(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return storable_parameters(value)
+
+
+class TaskEventDocument(BaseModel):
+    """One entry of a task's history: an operator's cancel, retry or resume."""
+
+    at: float
+    kind: str = Field(description="cancel, retry or resume")
+    actor: str | None = Field(description="The API caller's user; null with authentication off")
+    detail: dict[str, Any] = Field(
+        description='What it changed: "step" where the run restarts; "parameters": {key: {"old", "new"}} '
+        "for each corrected parameter (no old for a new key)"
+    )
+
+    @classmethod
+    def of(cls, event: TaskEvent) -> TaskEventDocument:
+        return cls(at=event.at, kind=event.kind, actor=event.actor, detail=dict(event.detail))
 
 
 class StepDocument(BaseModel):
@@ -168,13 +230,23 @@ class TaskDocument(BaseModel):
     steps: list[StepDocument]
     current: CurrentMessage | None
     attempts: list[AttemptDocument] | None = None
+    events: list[TaskEventDocument] | None = Field(
+        default=None, description="The task's history, oldest first (in GET /api/tasks/{task_id} only)"
+    )
     schedule_id: str | None = Field(default=None, description="The schedule whose firing created the task")
     scheduled_at: float | None = Field(default=None, description="The scheduled time of that firing")
 
     @classmethod
-    def of(cls, task: Task, attempts: list[AttemptRecord] | None = None, origin: Run | None = None) -> TaskDocument:
+    def of(
+        cls,
+        task: Task,
+        attempts: list[AttemptRecord] | None = None,
+        origin: Run | None = None,
+        events: list[TaskEvent] | None = None,
+    ) -> TaskDocument:
         a = task.active
         return cls(
+            events=[TaskEventDocument.of(e) for e in events] if events is not None else None,
             schedule_id=origin.schedule_id if origin else None,
             scheduled_at=origin.scheduled_at if origin else None,
             task_id=task.task_id,

@@ -7,6 +7,7 @@ factory) and hand the object to constructors.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -59,6 +60,9 @@ class Settings(BaseSettings):
     # this often; a running attempt not renewed for 3 intervals is lost and runs
     # again, whatever its timeout.
     heartbeat_interval: float = Field(default=5.0, gt=0)
+    # Registry rows (and the counters they hold, which /metrics adds up) of processes
+    # stopped or silent this many seconds are deleted by the leading scheduler.
+    process_retention: float = Field(default=86400.0, gt=0)
     # How long a consumer keeps trying to store a finished attempt's outcome
     # while the database is down, before leaving it to the expiry sweep.
     outcome_patience: float = 60.0
@@ -80,7 +84,11 @@ class Settings(BaseSettings):
     embedded_poll_interval: float = 0.05
     migrate_on_start: bool = True
 
+    # Logs (README "Logs"): one line per event, "text" (key=value fields) or "json"
+    # (one object per line), to stderr or appended to log_file.
     log_level: str = Field(default="INFO")
+    log_format: Literal["text", "json"] = "text"
+    log_file: Path | None = None
 
     @model_validator(mode="after")
     def _start_recorded_before_requeue(self) -> Settings:

@@ -130,6 +130,7 @@ class StepConsumer:
         it running.
         """
         log_extra = {"task_id": message.task_id, "step": message.cursor, "seq": message.seq}
+        metrics.observe_queue_wait(message.module, message.sent_at)
         try:
             task = self.service.get(message.task_id)
         except TaskNotFound:
@@ -209,6 +210,7 @@ class StepConsumer:
         metrics.STEP_SECONDS.labels(message.module, message.command, type(event).__name__).observe(
             self.clock() - started
         )
+        metrics.STEP_ATTEMPTS.labels(message.module, message.command, metrics.outcome_of(event)).inc()
         return event
 
     def _store_outcome(self, message: StepMessage, event: OutcomeEvent, known: Task) -> None:
@@ -246,6 +248,7 @@ class StepConsumer:
         """
         log.warning("step attempt lost: %s", reason, extra={"task_id": message.task_id})
         failed = Failed(message.seq, reason, timed_out=timed_out, started_at=self.service.clock())
+        metrics.STEP_ATTEMPTS.labels(message.module, message.command, "timed_out" if timed_out else "lost").inc()
         self.service.apply(message.task_id, failed)
 
     def alarm(self, alarm: Alarm, command: str) -> None:

@@ -11,21 +11,29 @@ from celery import Celery
 
 from shared.config import Settings
 from shared.consumer import StepConsumer
-from shared.flows import FlowsError, FlowSet, load_flows
+from shared.flows import FlowsError, FlowSet, ModuleDecl, load_flows
 from shared.messaging import CeleryPublisher, call_with_time_limit, make_celery, serve_steps
 from shared.module import Module
+from shared.pull.rules import TaskType
 from shared.pull.service import PullService
-from shared.pull.steps import RoutingPublisher, StepLeases, StepQueue
+from shared.pull.steps import RoutingPublisher, StepLeases, StepQueue, module_task_type
 from shared.scheduler import Cadence, Scheduler
 from shared.schedules.service import ScheduleService
 from shared.service import Publisher, TaskService, timing_of
 from shared.storage import InMemoryPullStore, InMemoryStore, PullStore, SqlStore, TaskStore, open_store
-from shared.storage.base import ScheduleStore
-from shared.storage.memory import InMemoryScheduleStore
+from shared.storage.base import ProcessStore, ScheduleStore
+from shared.storage.memory import InMemoryProcessStore, InMemoryScheduleStore
+from shared.storage.sql_processes import SqlProcessStore
 from shared.storage.sql_pull import SqlPullStore
 from shared.storage.sql_schedules import SqlScheduleStore
 
 log = logging.getLogger(__name__)
+
+
+def _pull_setup(module: str, flows: FlowSet, grace: float) -> tuple[ModuleDecl, TaskType] | None:
+    """A pull-mode module's declaration and v1 task type under ``flows``; None if it is not pull-mode there."""
+    decl = flows.pull_modules().get(module)
+    return (decl, module_task_type(module, decl, flows, grace)) if decl is not None else None
 
 
 class Runtime:
@@ -46,9 +54,39 @@ class Runtime:
         self._publisher = publisher
         self._pull_store = pull_store
 
-    @cached_property
+    @property
     def flows(self) -> FlowSet:
-        return self._flows or load_flows(self.settings.flows)
+        """flows.yaml as last loaded; :meth:`reload_flows` replaces it."""
+        if self._flows is None:
+            self._flows = load_flows(self.settings.flows)
+        return self._flows
+
+    def reload_flows(self, fresh: FlowSet | None = None) -> FlowSet:
+        """Put ``fresh`` (default: flows.yaml read again) in place of the flows in use, for the tasks submitted from now on.
+
+        Raises :class:`FlowsError` and keeps the flows in use when the file is
+        invalid, or when it changes what this process set up from it at start:
+        the pull-mode modules and the lease settings of their task types.
+        """
+        fresh = fresh or load_flows(self.settings.flows)
+        before = self.flows
+        grace = self.settings.expire_grace
+        changed = sorted(
+            name
+            for name in set(before.pull_modules()) | set(fresh.pull_modules())
+            if _pull_setup(name, before, grace) != _pull_setup(name, fresh, grace)
+        )
+        if changed:
+            raise FlowsError(
+                [
+                    f"{fresh.source}: modules: pull-mode module(s) {', '.join(changed)} changed; "
+                    "their queues and leases are set up at start: restart to apply this file"
+                ]
+            )
+        self._flows = fresh
+        if "service" in self.__dict__:
+            self.service.flows = fresh
+        return fresh
 
     @cached_property
     def store(self) -> TaskStore:
@@ -111,6 +149,15 @@ class Runtime:
         raise RuntimeError(f"no schedule storage goes with {type(self.store).__name__}")
 
     @cached_property
+    def process_store(self) -> ProcessStore:
+        """The process registry (shared.presence) lives in the same database."""
+        if isinstance(self.store, SqlStore):
+            return SqlProcessStore(self.store)
+        if isinstance(self.store, InMemoryStore):
+            return InMemoryProcessStore()
+        raise RuntimeError(f"no process registry goes with {type(self.store).__name__}")
+
+    @cached_property
     def schedules(self) -> ScheduleService:
         return ScheduleService(self.schedule_store, self.service, self.pull_service, self.clock)
 
@@ -123,8 +170,11 @@ class Runtime:
             load_ahead=s.schedule_load_ahead,
             retention=s.schedule_runs_keep_days * 86400.0,
             retention_tasks=s.schedule_runs_delete_tasks,
+            process_retention=s.process_retention,
         )
-        return Scheduler(self.service, self.pull_service, self.schedules, cadence, self.clock)
+        return Scheduler(
+            self.service, self.pull_service, self.schedules, cadence, self.clock, processes=self.process_store
+        )
 
     def consumer(self, names: list[str]) -> StepConsumer:
         """The step consumer of a worker serving ``names``, with its Celery tasks registered."""

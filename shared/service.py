@@ -8,6 +8,7 @@ write a compare-and-set (:func:`shared.transition.compare_and_set`).
 from __future__ import annotations
 
 import builtins
+import json
 import logging
 import time
 import uuid
@@ -17,16 +18,21 @@ from typing import Any, Protocol
 
 from shared import metrics
 from shared.config import Settings
+from shared.errors import ServiceError as ServiceError  # re-exported: callers import it from here
 from shared.flows import FlowSet
 from shared.saga import (
     DEFAULT_TIMING,
+    Cancel,
     Decision,
     Event,
     Expire,
     Failed,
     Heartbeat,
+    Operation,
     PollLater,
     PublishFailed,
+    Resume,
+    Retry,
     Started,
     Submit,
     Succeeded,
@@ -36,7 +42,7 @@ from shared.saga import (
     unrecorded_start,
 )
 from shared.states import Phase, StepType
-from shared.storage import AttemptRecord, TaskFilter, TaskStore
+from shared.storage import AttemptRecord, TaskEvent, TaskFilter, TaskStore
 from shared.task import Alarm, StepMessage, Task, new_task
 from shared.transition import compare_and_set
 
@@ -58,10 +64,6 @@ def timing_of(settings: Settings) -> Timing:
 
 # A running attempt is lost once this many heartbeats in a row have not come.
 HEARTBEATS_MISSED = 3
-
-
-class ServiceError(Exception):
-    status_code = 400
 
 
 class UnknownFlow(ServiceError):
@@ -122,11 +124,17 @@ class TaskService:
         user_id: str | None,
         task_id: str,
     ) -> Decision:
-        """A new task and its first message, not stored: the caller stores it, then calls :meth:`dispatch`."""
-        flow = self.flows.get(flow_name)
+        """A new task and its first message, not stored: the caller stores it, then calls :meth:`dispatch`.
+
+        The parameters are checked against the flow's declaration, its defaults
+        filled in (:meth:`shared.flows.Flow.check_parameters`).
+        """
+        flows = self.flows  # one version of flows.yaml, though a reload may replace it meanwhile
+        flow = flows.get(flow_name)
         if flow is None:
-            known = ", ".join(sorted(self.flows.flows)) or "none"
+            known = ", ".join(sorted(flows.flows)) or "none"
             raise UnknownFlow(f"unknown flow {flow_name!r} (known flows: {known})")
+        parameters = flow.check_parameters(parameters)
         now = self.clock()
         task = new_task(task_id, flow, parameters, now, priority, user_id)
         return decide(task, Submit(), now, self.timing)
@@ -216,9 +224,43 @@ class TaskService:
 
     # --- operator actions ---------------------------------------------------------
 
-    def operate(self, task_id: str, event: Event) -> Task:
-        """Cancel, Retry or Resume; raises :class:`shared.saga.InvalidAction` when the state forbids it."""
-        return self.apply(task_id, event).task
+    def operate(self, task_id: str, event: Operation, actor: str | None = None) -> Task:
+        """Cancel, Retry or Resume, recorded in the task's history as done by ``actor``.
+
+        Raises :class:`shared.saga.InvalidAction` when the state forbids it, and
+        :class:`shared.parameters.InvalidParameters` when corrected parameters do
+        not pass the flow's declaration; either way nothing is stored. An action
+        that changes nothing (a second cancel) is not recorded.
+        """
+        now = self.clock()
+
+        def write(task: Task, decision: Decision) -> bool | None:
+            if decision.task is task:
+                return None
+            return self.store.save(decision.task, now, event=operator_event(task, decision.task, event, now, actor))
+
+        before, decision = compare_and_set(
+            f"task {task_id}",
+            lambda: self.get(task_id),
+            lambda task: self._decide_operation(task, event, now),
+            write,
+            effects=self._after,
+        )
+        if decision.task is before:
+            return before
+        return replace(decision.task, version=before.version + 1)
+
+    def _decide_operation(self, task: Task, event: Operation, now: float) -> Decision:
+        # Decided first as given, so an action the state forbids is refused as such
+        # (409) before its parameters are looked at.
+        decision = decide(task, event, now, self.timing)
+        flow = self.flows.get(task.flow)  # a flow since removed from flows.yaml has no declaration to check
+        if isinstance(event, Cancel) or not event.parameters or flow is None:
+            return decision
+        checked = flow.check_parameters(decision.task.parameters)
+        if checked != decision.task.parameters:  # declared defaults filled in
+            decision = decide(task, replace(event, parameters=checked), now, self.timing)
+        return decision
 
     # --- reads ------------------------------------------------------------------
 
@@ -237,6 +279,10 @@ class TaskService:
 
     def attempts(self, task_id: str) -> builtins.list[AttemptRecord]:
         return self.store.attempts(task_id)
+
+    def events(self, task_id: str) -> builtins.list[TaskEvent]:
+        """The task's history: operators' cancels, retries and resumes, oldest first."""
+        return self.store.events(task_id)
 
 
 def _attempt_record(
@@ -272,3 +318,24 @@ def _attempt_record(
     outcome = "timed_out" if event.timed_out else "failed"
     return replace(base, ended_at=now, outcome=outcome, error=event.error)
 
+
+_ACTION_KINDS: dict[type, str] = {Cancel: "cancel", Retry: "retry", Resume: "resume"}
+# Stands for a parameter the task did not have, in a correction's "old" value.
+_ABSENT = object()
+
+
+def operator_event(before: Task, after: Task, event: Operation, now: float, actor: str | None) -> TaskEvent:
+    """The history entry of an operator's action: who, and what it changed."""
+    detail: dict[str, Any] = {}
+    if not isinstance(event, Cancel) and after.active is not None:
+        detail["step"] = after.active.cursor  # where the run (or the compensation) starts again
+    changes: dict[str, dict[str, Any]] = {}
+    for key, new in after.parameters.items():
+        old = before.parameters.get(key, _ABSENT)
+        if old is _ABSENT:
+            changes[key] = {"new": new}
+        elif json.dumps(old, sort_keys=True) != json.dumps(new, sort_keys=True):  # 1 == True, yet a change
+            changes[key] = {"old": old, "new": new}
+    if changes:
+        detail["parameters"] = changes
+    return TaskEvent(before.task_id, now, _ACTION_KINDS[type(event)], actor, detail)

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from billiard.exceptions import WorkerLostError
@@ -22,6 +23,8 @@ from celery.worker.request import Request
 
 from shared.config import Settings
 from shared.consumer import AttemptTimedOut, StepConsumer
+from shared.logs import attempt_context, name_message
+from shared.messaging.celery_logs import attempt_fields, follow_attempts, keep_process_logging
 from shared.messaging.embedded import kombu_url
 from shared.module import Handler, PollLater, StepContext
 from shared.retry import reconnect_delay
@@ -52,17 +55,27 @@ class StepRequest(Request):  # type: ignore[misc]  # celery is untyped: Request 
 
     consumer: StepConsumer  # set by serve_steps on the subclass it registers
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Celery logs "Task ... received" right after building the request: naming
+        # the message lets that line carry the attempt's fields (shared.messaging.celery_logs).
+        self.log_fields = attempt_fields(self.args)
+        if self.log_fields is not None:
+            name_message(self.id, self.log_fields)
+
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        super().on_timeout(soft, timeout)
-        if not soft:
-            self._report_lost(f"killed after the hard time limit of {timeout:g}s", timed_out=True)
+        with attempt_context(self.log_fields):
+            super().on_timeout(soft, timeout)
+            if not soft:
+                self._report_lost(f"killed after the hard time limit of {timeout:g}s", timed_out=True)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
-        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-        exc = exc_info.exception
-        exc = getattr(exc, "exc", exc)  # billiard wraps it in ExceptionWithTraceback
-        if isinstance(exc, WorkerLostError):
-            self._report_lost(f"worker process lost: {exc}")
+        with attempt_context(self.log_fields):
+            super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+            exc = exc_info.exception
+            exc = getattr(exc, "exc", exc)  # billiard wraps it in ExceptionWithTraceback
+            if isinstance(exc, WorkerLostError):
+                self._report_lost(f"worker process lost: {exc}")
 
     def _report_lost(self, reason: str, timed_out: bool = False) -> None:
         try:
@@ -142,6 +155,8 @@ def serve_steps(app: Celery, consumer: StepConsumer) -> None:
     """Register the step and alarm tasks of a worker process, run by ``consumer``."""
     request = type("BoundStepRequest", (StepRequest,), {"consumer": consumer})
     alert_command = consumer.settings.alert_command
+    keep_process_logging()
+    follow_attempts(STEP_TASK)  # run_step's lines and Celery's about it carry the attempt's fields
 
     @app.task(name=STEP_TASK, bind=True, Request=request, shared=False)  # type: ignore[untyped-decorator]
     def run_step(self: Task, payload: dict[str, Any]) -> None:
@@ -180,7 +195,8 @@ def bound_shutdown(app: Celery, consumer: StepConsumer, grace: float) -> None:
                 message = StepMessage.from_payload(request.args[0])
             except (IndexError, KeyError, TypeError, ValueError):
                 continue  # an alarm delivery: it is retried by the broker
-            consumer.lost(message, f"worker stopped; attempt unfinished after {grace:g}s")
+            with attempt_context(attempt_fields(request.args)):
+                consumer.lost(message, f"worker stopped; attempt unfinished after {grace:g}s")
         log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(running))
         os.kill(os.getpid(), signal.SIGQUIT)
 
@@ -220,7 +236,7 @@ class CeleryPublisher:
         try:
             self.app.send_task(
                 STEP_TASK,
-                args=[message.to_payload()],
+                args=[replace(message, sent_at=time.time()).to_payload()],
                 queue=queue_name(message.module),
                 priority=self._level(message),
                 # The soft limit interrupts the handler; the hard one kills its process.

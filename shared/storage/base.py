@@ -6,8 +6,8 @@ import abc
 import builtins
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from shared.pull.rules import PullTask, TaskType
@@ -91,11 +91,96 @@ class AttemptRecord:
 
 
 @dataclass(frozen=True)
+class TaskEvent:
+    """Something done to a task from outside its steps (cancel, retry, resume), kept as its history."""
+
+    task_id: str
+    at: float
+    kind: str  # the action: cancel, retry, resume
+    actor: str | None = None  # the API caller's user; None with authentication off
+    # What the action changed: {"step": n} where it restarts, and for a parameter
+    # correction {"parameters": {key: {"old": value, "new": value}}} ("old" absent for a new key).
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class TaskFilter:
     flow: str | None = None
     status: TaskStatus | None = None
     user_id: str | None = None
     limit: int = 50
+
+
+# A position in the newest-first order of tasks: (created_at, task_id) of the last one shown.
+Cursor = tuple[float, str]
+
+
+@dataclass(frozen=True)
+class TaskQuery:
+    """A page of tasks for browsing (the dashboard): newest first, resumed after ``after``.
+
+    One equality filter (user_id, else flow, else status) and the time range are
+    answered by an index on (that column, created_at). Any further filter (a second
+    equality, ``parameter``) is applied to the newest ``scan`` tasks the indexed
+    filter reaches past ``after``, so no page reads more than ``scan`` rows; a page
+    cut short by that bound says so (:attr:`TaskPage.partial`) and resumes past it.
+    """
+
+    flow: str | None = None
+    status: TaskStatus | None = None
+    user_id: str | None = None
+    created_from: float | None = None  # inclusive
+    created_until: float | None = None  # exclusive
+    # (path into the parameters, value as text): {"order": {"id": 7}} matches (("order", "id"), "7").
+    parameter: tuple[tuple[str, ...], str] | None = None
+    after: Cursor | None = None
+    limit: int = 50
+    scan: int = 10_000
+
+    @property
+    def indexed(self) -> str | None:
+        """The equality filter an index answers; the others are residual."""
+        for name in ("user_id", "flow", "status"):
+            if getattr(self, name) is not None:
+                return name
+        return None
+
+    @property
+    def residual(self) -> bool:
+        given = sum(getattr(self, n) is not None for n in ("user_id", "flow", "status"))
+        return given > 1 or self.parameter is not None
+
+
+@dataclass(frozen=True)
+class TaskPage:
+    tasks: list[Task]
+    next: Cursor | None  # where the next page starts; None at the end
+    partial: bool = False  # fewer than ``limit`` found within the scan bound; more may follow
+
+
+@dataclass(frozen=True)
+class StatusCounts:
+    """Tasks by status, bounded: each count stops at ``cap`` (shown as "cap+"), and with a
+    user or flow given only the newest ``window`` tasks of that user or flow are counted."""
+
+    counts: Mapping[TaskStatus, int]
+    cap: int | None
+    window: int | None
+
+
+def matches_parameter(parameters: Mapping[str, Any], wanted: tuple[tuple[str, ...], str]) -> bool:
+    """Whether the value at ``wanted``'s path, as text, is ``wanted``'s value (the in-memory rule)."""
+    path, text = wanted
+    value: Any = parameters
+    for key in path:
+        if not isinstance(value, Mapping) or key not in value:
+            return False
+        value = value[key]
+    if isinstance(value, bool):
+        return text == ("true" if value else "false")
+    if isinstance(value, str | int | float):
+        return str(value) == text
+    return False
 
 
 class TaskStore(abc.ABC):
@@ -113,14 +198,19 @@ class TaskStore(abc.ABC):
 
     @abc.abstractmethod
     def save(
-        self, task: Task, now: float, attempt: AttemptRecord | None = None
+        self, task: Task, now: float, attempt: AttemptRecord | None = None, event: TaskEvent | None = None
     ) -> bool:
         """Store ``task`` if the stored version still equals ``task.version``.
 
         Returns False when another transition got there first (nothing written).
         ``attempt`` is written in the same transaction, as its ``write`` says:
         inserted, or its outcome or heartbeat updating the attempt already stored.
+        ``event`` (an operator's action) is appended to the task's history in it too.
         """
+
+    @abc.abstractmethod
+    def events(self, task_id: str) -> builtins.list[TaskEvent]:
+        """The task's history (:class:`TaskEvent`), oldest first."""
 
     @abc.abstractmethod
     def list(self, where: TaskFilter) -> list[Task]:
@@ -140,9 +230,40 @@ class TaskStore(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
+    # --- reads for browsing (the dashboard); bounded so they stay cheap on millions of tasks
+
+    @abc.abstractmethod
+    def page(self, query: TaskQuery) -> TaskPage:
+        """Tasks matching ``query``, newest first (ties by task_id, descending)."""
+
+    @abc.abstractmethod
+    def count_by_status(
+        self, user_id: str | None = None, flow: str | None = None, cap: int = 10_000, window: int = 50_000
+    ) -> StatusCounts:
+        """See :class:`StatusCounts` for the bounds."""
+
+    @abc.abstractmethod
+    def attempts_of(self, task_ids: Iterable[str]) -> dict[str, builtins.list[AttemptRecord]]:
+        """The attempts of each of ``task_ids`` (those with any), by seq."""
+
+    @abc.abstractmethod
+    def flow_attempts(self, flow: str, since: float, newest: int) -> builtins.list[AttemptRecord]:
+        """The attempts of the newest ``newest`` tasks of ``flow`` created at or after ``since``."""
+
 
 def same_request(stored: Task, task: Task) -> bool:
     return stored.flow == task.flow and stored.user_id == task.user_id
+
+
+@dataclass(frozen=True)
+class TypeSummary:
+    """A v1 task type at a glance: (stage, status) counts over its newest ``window`` tasks,
+    and the lease of its running task leased longest ago."""
+
+    by_stage: Mapping[tuple[str, int], int]
+    window: int
+    running: int
+    oldest_lease_at: float | None  # when that task was leased (or last reported)
 
 
 class PullStore(abc.ABC):
@@ -213,6 +334,11 @@ class PullStore(abc.ABC):
     @abc.abstractmethod
     def due(self, now: float, limit: int) -> builtins.list[PullTask]:
         """Running tasks whose lease ended by ``now``, oldest lease first."""
+
+    @abc.abstractmethod
+    def summary(self, task_type: str, window: int = 50_000) -> TypeSummary:
+        """Counts by stage and status among the newest ``window`` tasks of ``task_type``, and its
+        running leases (for the dashboard)."""
 
 
 class NotLeader(StorageError):
@@ -315,3 +441,48 @@ class ScheduleStore(abc.ABC):
     @abc.abstractmethod
     def purge(self, before: float, limit: int, tasks: bool) -> int:
         """Delete up to ``limit`` runs scheduled before ``before`` (and their ended tasks if ``tasks``)."""
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """One long-running process (api, worker or scheduler) as its registry row holds it.
+
+    ``metrics`` is its last snapshot of Prometheus metrics (shared.exposition),
+    ``detail`` what a dashboard shows of it (a worker's queues and attempts in flight).
+    """
+
+    process_id: str
+    role: str  # api | worker | scheduler
+    host: str
+    pid: int
+    started_at: float
+    seen_at: float
+    detail: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Sequence[Mapping[str, Any]] = ()
+    stopped_at: float | None = None
+
+
+class ProcessStore(abc.ABC):
+    """The process registry: every process renews its row; rows of gone ones are kept a while."""
+
+    @abc.abstractmethod
+    def register(self, record: ProcessRecord) -> None:
+        """Store ``record``, replacing any row of the same process id (a restart that reused it)."""
+
+    @abc.abstractmethod
+    def renew(
+        self, process_id: str, seen_at: float, detail: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]]
+    ) -> bool:
+        """Update a registered process's row; False when there is none (purged: register again)."""
+
+    @abc.abstractmethod
+    def stop(self, process_id: str, at: float) -> None:
+        """Mark a process stopped (a clean stop); its row stays until purged."""
+
+    @abc.abstractmethod
+    def list(self, seen_since: float | None = None) -> builtins.list[ProcessRecord]:
+        """Rows last seen at or after ``seen_since`` (None: every row kept), by process id."""
+
+    @abc.abstractmethod
+    def purge(self, before: float) -> int:
+        """Delete the rows last seen before ``before`` (stopped or silent since); how many."""

@@ -9,23 +9,32 @@ from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from shared.pull.rules import PullStatus, PullTask, TaskType, leased
 from shared.schedules.model import Run, Schedule
 from shared.schedules.timetable import wake_at
-from shared.states import Phase
+from shared.states import Phase, TaskStatus
 from shared.storage.base import (
     AttemptRecord,
     Firing,
     Lease,
     NotLeader,
+    ProcessRecord,
+    ProcessStore,
     PullStore,
     ScheduleStore,
+    StatusCounts,
     TaskConflict,
+    TaskEvent,
     TaskFilter,
+    TaskPage,
+    TaskQuery,
     TaskStore,
+    TypeSummary,
+    matches_parameter,
     same_request,
 )
 from shared.task import Task
@@ -35,6 +44,7 @@ class InMemoryStore(TaskStore):
     def __init__(self) -> None:
         self._tasks: dict[str, Task] = {}
         self._attempts: dict[tuple[str, int], AttemptRecord] = {}
+        self._events: dict[str, builtins.list[TaskEvent]] = {}
         self._lock = threading.Lock()
 
     def create(self, task: Task, now: float) -> tuple[Task, bool]:
@@ -50,12 +60,16 @@ class InMemoryStore(TaskStore):
     def get(self, task_id: str) -> Task | None:
         return self._tasks.get(task_id)
 
-    def save(self, task: Task, now: float, attempt: AttemptRecord | None = None) -> bool:
+    def save(
+        self, task: Task, now: float, attempt: AttemptRecord | None = None, event: TaskEvent | None = None
+    ) -> bool:
         with self._lock:
             stored = self._tasks.get(task.task_id)
             if stored is None or stored.version != task.version:
                 return False
             self._tasks[task.task_id] = replace(task, version=task.version + 1)
+            if event is not None:
+                self._events.setdefault(event.task_id, []).append(event)
             if attempt is not None:
                 key = (attempt.task_id, attempt.seq)
                 previous = self._attempts.get(key)
@@ -86,6 +100,9 @@ class InMemoryStore(TaskStore):
             (a for (tid, _), a in self._attempts.items() if tid == task_id), key=lambda a: a.seq
         )
 
+    def events(self, task_id: str) -> builtins.list[TaskEvent]:
+        return list(self._events.get(task_id, ()))
+
     def due(self, now: float, limit: int) -> builtins.list[tuple[str, int, Phase]]:
         ready = sorted(
             (t.active.due_at, t.task_id, t.active.seq, t.active.phase)
@@ -98,13 +115,80 @@ class InMemoryStore(TaskStore):
         return None
 
     def forget(self, task_id: str) -> None:
-        """Drop an ended task and its attempts (retention)."""
+        """Drop an ended task, its attempts and its history (retention)."""
         with self._lock:
             task = self._tasks.get(task_id)
             if task is not None and task.status.is_terminal:
                 del self._tasks[task_id]
+                self._events.pop(task_id, None)
                 for key in [k for k in self._attempts if k[0] == task_id]:
                     del self._attempts[key]
+
+    # --- reads for browsing (the dashboard): the SQL stores' results, without their bounds' cost
+
+    def page(self, query: TaskQuery) -> TaskPage:
+        q = query
+        newest = sorted(self._tasks.values(), key=lambda t: (t.created_at, t.task_id), reverse=True)
+        reach = [
+            t
+            for t in newest
+            if (q.indexed != "user_id" or t.user_id == q.user_id)
+            and (q.indexed != "flow" or t.flow == q.flow)
+            and (q.indexed != "status" or t.status == q.status)
+            and (q.created_from is None or t.created_at >= q.created_from)
+            and (q.created_until is None or t.created_at < q.created_until)
+            and (q.after is None or (t.created_at, t.task_id) < q.after)
+        ]
+        window = reach[: q.scan] if q.residual else reach
+        found = [
+            t
+            for t in window
+            if (q.flow is None or t.flow == q.flow)
+            and (q.status is None or t.status == q.status)
+            and (q.parameter is None or matches_parameter(t.parameters, q.parameter))
+        ][: q.limit]
+        if len(found) == q.limit:
+            return TaskPage(found, (found[-1].created_at, found[-1].task_id))
+        if q.residual and len(reach) >= q.scan:
+            last = reach[q.scan - 1]
+            return TaskPage(found, (last.created_at, last.task_id), partial=True)
+        return TaskPage(found, None)
+
+    def count_by_status(
+        self, user_id: str | None = None, flow: str | None = None, cap: int = 10_000, window: int = 50_000
+    ) -> StatusCounts:
+        counts: dict[TaskStatus, int] = {}
+        if user_id is None and flow is None:
+            for t in list(self._tasks.values()):
+                counts[t.status] = min(counts.get(t.status, 0) + 1, cap + 1)
+            return StatusCounts(counts, cap, None)
+        newest = sorted(
+            (
+                t
+                for t in list(self._tasks.values())
+                if (user_id is None or t.user_id == user_id) and (flow is None or t.flow == flow)
+            ),
+            key=lambda t: t.created_at,
+            reverse=True,
+        )[:window]
+        for t in newest:
+            counts[t.status] = counts.get(t.status, 0) + 1
+        return StatusCounts(counts, None, window)
+
+    def attempts_of(self, task_ids: Iterable[str]) -> dict[str, builtins.list[AttemptRecord]]:
+        found: dict[str, builtins.list[AttemptRecord]] = {}
+        for task_id in sorted(set(task_ids)):
+            if records := self.attempts(task_id):
+                found[task_id] = records
+        return found
+
+    def flow_attempts(self, flow: str, since: float, newest: int) -> builtins.list[AttemptRecord]:
+        chosen = sorted(
+            (t for t in list(self._tasks.values()) if t.flow == flow and t.created_at >= since),
+            key=lambda t: t.created_at,
+            reverse=True,
+        )[:newest]
+        return [a for t in chosen for a in self.attempts(t.task_id)]
 
 
 class InMemoryPullStore(PullStore):
@@ -222,6 +306,15 @@ class InMemoryPullStore(PullStore):
             (end, t.task_id, t) for t in list(self._tasks.values()) if (end := t.lease_until) is not None
         )
         return [t for end, _, t in ends if end <= now][:limit]
+
+    def summary(self, task_type: str, window: int = 50_000) -> TypeSummary:
+        of_type = [t for t in list(self._tasks.values()) if t.task_type == task_type]
+        by_stage: dict[tuple[str, int], int] = {}
+        for t in sorted(of_type, key=lambda t: t.create_time, reverse=True)[:window]:
+            key = (t.task_stage, int(t.status))
+            by_stage[key] = by_stage.get(key, 0) + 1
+        running = [t.modify_time for t in of_type if t.status is PullStatus.RUNNING]
+        return TypeSummary(by_stage, window, len(running), min(running) if running else None)
 
 
 class InMemoryScheduleStore(ScheduleStore):
@@ -354,4 +447,42 @@ class InMemoryScheduleStore(ScheduleStore):
                 if tasks and run.task_id is not None:
                     self._tasks.forget(run.task_id)
                     self._pull.forget(run.task_id)
+            return len(old)
+
+
+class InMemoryProcessStore(ProcessStore):
+    def __init__(self) -> None:
+        self._rows: dict[str, ProcessRecord] = {}
+        self._lock = threading.Lock()
+
+    def register(self, record: ProcessRecord) -> None:
+        with self._lock:
+            self._rows[record.process_id] = record
+
+    def renew(
+        self, process_id: str, seen_at: float, detail: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]]
+    ) -> bool:
+        with self._lock:
+            row = self._rows.get(process_id)
+            if row is None:
+                return False
+            self._rows[process_id] = replace(row, seen_at=seen_at, detail=dict(detail), metrics=list(metrics))
+            return True
+
+    def stop(self, process_id: str, at: float) -> None:
+        with self._lock:
+            row = self._rows.get(process_id)
+            if row is not None:
+                self._rows[process_id] = replace(row, seen_at=at, stopped_at=at)
+
+    def list(self, seen_since: float | None = None) -> builtins.list[ProcessRecord]:
+        with self._lock:
+            rows = sorted(self._rows.values(), key=lambda r: r.process_id)
+        return [r for r in rows if seen_since is None or r.seen_at >= seen_since]
+
+    def purge(self, before: float) -> int:
+        with self._lock:
+            old = [pid for pid, r in self._rows.items() if r.seen_at < before]
+            for pid in old:
+                del self._rows[pid]
             return len(old)

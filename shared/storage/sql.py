@@ -9,25 +9,46 @@ import builtins
 import os
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, select
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Engine,
+    Select,
+    String,
+    Subquery,
+    cast,
+    create_engine,
+    event,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    union_all,
+)
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, OperationalError
 
 from shared.sqlite import read_only_options, sqlite_engine
-from shared.states import Phase, StepType
+from shared.states import Phase, StepType, TaskStatus
 from shared.storage.base import (
     AttemptRecord,
+    Cursor,
+    StatusCounts,
     StorageUnavailable,
     TaskConflict,
+    TaskEvent,
     TaskFilter,
+    TaskPage,
+    TaskQuery,
     TaskStore,
     same_request,
 )
 from shared.storage.codec import task_from_row, task_to_row
-from shared.storage.schema import attempts, metadata, tasks
+from shared.storage.schema import attempts, metadata, task_events, tasks
 from shared.storage.statements import (
     CREATE_TASK,
     GET_TASK,
@@ -104,7 +125,9 @@ class SqlStore(TaskStore):
             row = conn.execute(GET_TASK, {"b_task_id": task_id}).first()
         return task_from_row(row) if row is not None else None
 
-    def save(self, task: Task, now: float, attempt: AttemptRecord | None = None) -> bool:
+    def save(
+        self, task: Task, now: float, attempt: AttemptRecord | None = None, event: TaskEvent | None = None
+    ) -> bool:
         with self.transaction() as conn:
             if conn.execute(SAVE_TASK, _saved(task, now)).rowcount != 1:
                 return False
@@ -112,7 +135,18 @@ class SqlStore(TaskStore):
                 kind = attempt.write
                 statement = INSERT_ATTEMPT if kind == "insert" else UPDATE_ATTEMPT[kind]
                 conn.execute(statement, _attempt_params(attempt))
+            if event is not None:
+                conn.execute(
+                    insert(task_events).values(
+                        task_id=event.task_id, at=event.at, kind=event.kind, actor=event.actor, detail=dict(event.detail)
+                    )
+                )
         return True
+
+    def events(self, task_id: str) -> builtins.list[TaskEvent]:
+        query = select(task_events).where(task_events.c.task_id == task_id).order_by(task_events.c.event_id)
+        with self.transaction(read_only=True) as conn:
+            return [TaskEvent(r.task_id, float(r.at), r.kind, r.actor, r.detail) for r in conn.execute(query)]
 
     def list(self, where: TaskFilter) -> list[Task]:
         query = select(tasks).order_by(tasks.c.created_at.desc()).limit(where.limit)
@@ -150,6 +184,137 @@ class SqlStore(TaskStore):
 
     def close(self) -> None:
         self.engine.dispose()
+
+    # --- reads for browsing (the dashboard) -------------------------------------------
+
+    def page(self, query: TaskQuery) -> TaskPage:
+        # The indexed filter, the time range and the keyset position: one range of one
+        # index, (column, created_at) or created_at alone, read newest first.
+        reach = _newest_first(select(tasks).where(*_indexed_conditions(query)))
+        with self.transaction(read_only=True) as conn:
+            if not query.residual:
+                rows = conn.execute(reach.limit(query.limit)).all()
+                found = [task_from_row(r) for r in rows]
+                more = len(found) == query.limit
+                return TaskPage(found, _cursor_of(found[-1]) if more else None)
+            window = reach.limit(query.scan).subquery()
+            rows = conn.execute(
+                select(window)
+                .where(*_residual_conditions(query, window))
+                .order_by(window.c.created_at.desc(), window.c.task_id.desc())
+                .limit(query.limit)
+            ).all()
+            found = [task_from_row(r) for r in rows]
+            if len(found) == query.limit:
+                return TaskPage(found, _cursor_of(found[-1]))
+            # Short page: did the scan stop at its bound? Then the next page starts past it.
+            last = conn.execute(
+                _newest_first(select(tasks.c.created_at, tasks.c.task_id).where(*_indexed_conditions(query)))
+                .offset(query.scan - 1)
+                .limit(1)
+            ).first()
+        if last is None:
+            return TaskPage(found, None)
+        return TaskPage(found, (float(last.created_at), str(last.task_id)), partial=True)
+
+    def count_by_status(
+        self, user_id: str | None = None, flow: str | None = None, cap: int = 10_000, window: int = 50_000
+    ) -> StatusCounts:
+        if user_id is None and flow is None:
+            # Per status, a count that stops at cap + 1 entries of the (status, created_at)
+            # index: at most 7 short index ranges, one statement.
+            parts = [
+                select(literal(int(s)).label("status"), func.count().label("n")).select_from(
+                    select(literal(1).label("one")).where(tasks.c.status == int(s)).limit(cap + 1).subquery()
+                )
+                for s in TaskStatus
+            ]
+            with self.transaction(read_only=True) as conn:
+                rows = conn.execute(union_all(*parts)).all()
+            return StatusCounts({TaskStatus(r.status): int(r.n) for r in rows if r.n}, cap, None)
+        # The newest ``window`` tasks of the user (or flow), through its index.
+        column = tasks.c.user_id if user_id is not None else tasks.c.flow
+        newest = (
+            select(tasks.c.status)
+            .where(column == (user_id if user_id is not None else flow))
+            .order_by(tasks.c.created_at.desc())
+            .limit(window)
+        )
+        if user_id is not None and flow is not None:
+            newest = newest.where(tasks.c.flow == flow)
+        sub = newest.subquery()
+        with self.transaction(read_only=True) as conn:
+            rows = conn.execute(select(sub.c.status, func.count()).group_by(sub.c.status)).all()
+        return StatusCounts({TaskStatus(int(status)): int(n) for status, n in rows}, None, window)
+
+    def attempts_of(self, task_ids: Iterable[str]) -> dict[str, builtins.list[AttemptRecord]]:
+        wanted = sorted(set(task_ids))
+        found: dict[str, builtins.list[AttemptRecord]] = {}
+        if not wanted:
+            return found
+        query = select(attempts).where(attempts.c.task_id.in_(wanted)).order_by(attempts.c.task_id, attempts.c.seq)
+        with self.transaction(read_only=True) as conn:
+            for r in conn.execute(query):
+                found.setdefault(r.task_id, []).append(_attempt_from_row(r))
+        return found
+
+    def flow_attempts(self, flow: str, since: float, newest: int) -> builtins.list[AttemptRecord]:
+        wanted = (
+            select(tasks.c.task_id)
+            .where(tasks.c.flow == flow, tasks.c.created_at >= since)
+            .order_by(tasks.c.created_at.desc())
+            .limit(newest)
+        )
+        query = select(attempts).where(attempts.c.task_id.in_(wanted.scalar_subquery()))
+        with self.transaction(read_only=True) as conn:
+            return [_attempt_from_row(r) for r in conn.execute(query)]
+
+
+def _attempt_from_row(r: Any) -> AttemptRecord:
+    return AttemptRecord(**{**r._mapping, "type": StepType(r.type)})
+
+
+def _newest_first(query: Select[Any]) -> Select[Any]:
+    return query.order_by(tasks.c.created_at.desc(), tasks.c.task_id.desc())
+
+
+def _indexed_conditions(q: TaskQuery) -> list[ColumnElement[bool]]:
+    conditions: list[ColumnElement[bool]] = []
+    indexed = q.indexed
+    if indexed == "user_id":
+        conditions.append(tasks.c.user_id == q.user_id)
+    elif indexed == "flow":
+        conditions.append(tasks.c.flow == q.flow)
+    elif indexed == "status" and q.status is not None:
+        conditions.append(tasks.c.status == int(q.status))
+    if q.created_from is not None:
+        conditions.append(tasks.c.created_at >= q.created_from)
+    if q.created_until is not None:
+        conditions.append(tasks.c.created_at < q.created_until)
+    if q.after is not None:
+        at, task_id = q.after
+        # Written so the index range bound is plain (created_at <= at), the tie a filter.
+        conditions.append(tasks.c.created_at <= at)
+        conditions.append(or_(tasks.c.created_at < at, tasks.c.task_id < task_id))
+    return conditions
+
+
+def _residual_conditions(q: TaskQuery, window: Subquery) -> list[ColumnElement[bool]]:
+    conditions: list[ColumnElement[bool]] = []
+    indexed = q.indexed
+    if q.flow is not None and indexed != "flow":
+        conditions.append(window.c.flow == q.flow)
+    if q.status is not None and indexed != "status":
+        conditions.append(window.c.status == int(q.status))
+    if q.parameter is not None:
+        path, text = q.parameter
+        value = window.c.parameters[path if len(path) > 1 else path[0]].as_string()
+        conditions.append(cast(value, String) == text)
+    return conditions
+
+
+def _cursor_of(task: Task) -> Cursor:
+    return (task.created_at, task.task_id)
 
 
 def _saved(task: Task, now: float) -> dict[str, Any]:
@@ -210,7 +375,12 @@ class PostgresStore(SqlStore):
         ping_idle_connections(engine, IDLE_BEFORE_PING)
         return engine
 
-    def save(self, task: Task, now: float, attempt: AttemptRecord | None = None) -> bool:
+    def save(
+        self, task: Task, now: float, attempt: AttemptRecord | None = None, event: TaskEvent | None = None
+    ) -> bool:
+        if event is not None:
+            # An operator's action, rare: the history row makes it two statements, in one transaction.
+            return super().save(task, now, attempt, event)
         params = _saved(task, now)
         kind = "none"
         if attempt is not None:

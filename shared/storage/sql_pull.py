@@ -15,7 +15,7 @@ from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from shared.pull.rules import PullStatus, PullTask, TaskType
-from shared.storage.base import PullStore, TaskConflict
+from shared.storage.base import PullStore, TaskConflict, TypeSummary
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import SqlStore
 
@@ -245,6 +245,27 @@ class SqlPullStore(PullStore):
         )
         with self.sql.transaction(read_only=True) as conn:
             return [_task(r) for r in conn.execute(query)]
+
+    def summary(self, task_type: str, window: int = 50_000) -> TypeSummary:
+        # The newest ``window`` through (task_type, create_time); running ones through the
+        # hold index (task_type, status, ...): as many as workers hold, not the whole type.
+        newest = (
+            select(pull_tasks.c.task_stage, pull_tasks.c.status)
+            .where(pull_tasks.c.task_type == task_type)
+            .order_by(pull_tasks.c.create_time.desc())
+            .limit(window)
+            .subquery()
+        )
+        counts = select(newest.c.task_stage, newest.c.status, func.count()).group_by(
+            newest.c.task_stage, newest.c.status
+        )
+        running = select(func.count(), func.min(pull_tasks.c.modify_time)).where(
+            pull_tasks.c.task_type == task_type, pull_tasks.c.status == int(PullStatus.RUNNING)
+        )
+        with self.sql.transaction(read_only=True) as conn:
+            by_stage = {(str(stage), int(status)): int(n) for stage, status, n in conn.execute(counts)}
+            n, oldest = conn.execute(running).one()
+        return TypeSummary(by_stage, window, int(n), float(oldest) if oldest is not None else None)
 
 
 def _type(row: Any) -> TaskType:

@@ -21,7 +21,16 @@ from shared.schedules.timetable import wake_at
 from shared.states import TERMINAL, TaskStatus
 from shared.storage.base import Firing, Lease, NotLeader, ScheduleStore
 from shared.storage.codec import task_to_row
-from shared.storage.schema import attempts, leases, pull_tasks, schedule_runs, schedules, task_types, tasks
+from shared.storage.schema import (
+    attempts,
+    leases,
+    pull_tasks,
+    schedule_runs,
+    schedules,
+    task_events,
+    task_types,
+    tasks,
+)
 from shared.storage.sql import SqlStore
 from shared.storage.sql_pull import CREATE_PULL_TASKS, create_row
 from shared.storage.statements import CREATE_TASK
@@ -361,6 +370,7 @@ def _delete_ended_tasks(conn: Connection, task_ids: builtins.list[str]) -> None:
     ended = [int(s) for s in TERMINAL]
     ended_flows = select(tasks.c.task_id).where(tasks.c.task_id.in_(task_ids), tasks.c.status.in_(ended))
     conn.execute(delete(attempts).where(attempts.c.task_id.in_(ended_flows)))
+    conn.execute(delete(task_events).where(task_events.c.task_id.in_(ended_flows)))
     conn.execute(delete(tasks).where(tasks.c.task_id.in_(task_ids), tasks.c.status.in_(ended)))
     conn.execute(
         delete(pull_tasks).where(pull_tasks.c.task_id.in_(task_ids), pull_tasks.c.status.in_(_ENDED_PULL))

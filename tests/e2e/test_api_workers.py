@@ -20,7 +20,9 @@ pytestmark = pytest.mark.e2e
 def api(tmp_path: Path) -> Iterator[Stack]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCFLOW_")}
     stack = Stack("api-workers", tmp_path, env=env, worker_groups=[])
-    stack.env.update(ASYNCFLOW_HOME=str(tmp_path), ASYNCFLOW_FLOWS=str(SUPPORT / "flows.yaml"))
+    stack.env.update(
+        ASYNCFLOW_HOME=str(tmp_path), ASYNCFLOW_FLOWS=str(SUPPORT / "flows.yaml"), ASYNCFLOW_HEARTBEAT_INTERVAL="0.5"
+    )
     assert stack.run_cli("db", "upgrade").returncode == 0
     stack.spawn("api", "api", "--port", str(stack.port), "--workers", "2")
     try:
@@ -37,6 +39,10 @@ def test_two_api_processes_serve_one_port_and_their_metrics_add_up(api: Stack) -
         assert response.status_code == 201, response.text
     started = set(re.findall(r"api\[(\d+)\].*Started server process", api.log("api", tail=None)))
     assert len(started) == 2, started
-    # Whichever process took each request, /metrics counts all of them.
-    metrics = httpx.get(f"{api.url}/metrics").text
-    assert 'asyncflow_tasks_submitted_total{flow="noop"} 40.0' in metrics
+    # Whichever process took each request, /metrics counts all of them: the other
+    # process's counts as of its last registry renewal (every heartbeat interval).
+    wait_for(
+        lambda: 'asyncflow_tasks_submitted_total{flow="noop"} 40.0' in httpx.get(f"{api.url}/metrics").text,
+        30,
+        "both API processes' submissions in /metrics",
+    )

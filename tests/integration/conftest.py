@@ -24,7 +24,16 @@ from shared.migrate import upgrade
 from shared.storage import InMemoryPullStore, InMemoryStore, PullStore, SqlStore, TaskStore, open_store
 from shared.storage.base import ScheduleStore
 from shared.storage.memory import InMemoryScheduleStore
-from shared.storage.schema import attempts, leases, pull_tasks, schedule_runs, schedules, task_types, tasks
+from shared.storage.schema import (
+    attempts,
+    leases,
+    pull_tasks,
+    schedule_runs,
+    schedules,
+    task_events,
+    task_types,
+    tasks,
+)
 from shared.storage.sql_pull import SqlPullStore
 from shared.storage.sql_schedules import SqlScheduleStore
 from tests.conftest import require_service
@@ -79,7 +88,7 @@ def empty_tables(url: str) -> None:
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
-            for table in (attempts, tasks, pull_tasks, task_types, schedule_runs, schedules, leases):
+            for table in (attempts, task_events, tasks, pull_tasks, task_types, schedule_runs, schedules, leases):
                 conn.execute(delete(table))
     finally:
         engine.dispose()

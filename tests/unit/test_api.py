@@ -29,7 +29,7 @@ PARAMETERS_LIMIT = 64 * 1024
 TASK_FIELDS = {
     "task_id", "flow", "task_status", "status_name", "task_message", "task_cursor", "time_create",
     "time_start", "time_end", "priority", "user_id", "cancel_requested", "parameters", "steps",
-    "current", "attempts", "schedule_id", "scheduled_at",
+    "current", "attempts", "events", "schedule_id", "scheduled_at",
 }
 STEP_FIELDS = {
     "code", "message", "time_start", "time_end",
@@ -110,6 +110,7 @@ def test_submit_returns_201_with_the_full_task_document_and_publishes_step_0(api
         "cancel_requested": False,
         "parameters": {"Cpu": 4, "Name": "db1"},
         "attempts": None,
+        "events": None,  # the history is in GET /api/tasks/{id} only
         "schedule_id": None,  # submitted, not fired by a schedule
         "scheduled_at": None,
     }
@@ -147,7 +148,7 @@ def test_submit_returns_201_with_the_full_task_document_and_publishes_step_0(api
     assert (message.seq, message.attempt, message.timeout, message.retry) == (1, 1, 20.0, 0)
     assert message.parameters == {"Cpu": 4, "Name": "db1"}
     assert api.stored() == ["task-1"]
-    assert api.client.get("/api/tasks/task-1").json() == {**doc, "attempts": []}
+    assert api.client.get("/api/tasks/task-1").json() == {**doc, "attempts": [], "events": []}
 
 
 def test_a_step_without_rollback_shows_none(api: Api) -> None:

@@ -445,7 +445,7 @@ def test_the_cli_sends_asyncflow_api_key(api: Api, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("ASYNCFLOW_API_KEY", ALICE)
     result = CliRunner().invoke(cli.main, ["list"])
     assert result.exit_code == 0, result.output
-    assert [line.split()[0] for line in result.stdout.splitlines()] == ["mine"]
+    assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == ["mine"]  # under the header
     assert seen == [f"Bearer {ALICE}"]
 
     result = CliRunner().invoke(cli.main, ["status", "theirs"])

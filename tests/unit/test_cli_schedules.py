@@ -168,7 +168,7 @@ def test_a_bad_cron_and_an_unknown_flow_are_each_named(run: Cli) -> None:
     lines = result.output.splitlines()
     assert lines[0] == "Error: 422: invalid schedule"
     assert lines[1].startswith("  cron: cannot read '0 2 * *'"), lines
-    assert lines[2] == "  flow: unknown flow 'nope' (known flows: noop, short, three)"
+    assert lines[2] == "  flow: unknown flow 'nope' (known flows: long, noop, short, three)"
     assert run.api("/api/schedules")["schedules"] == []
 
 

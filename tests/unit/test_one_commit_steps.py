@@ -18,7 +18,7 @@ from shared.flows import Action, Flow, FlowSet, StepDef
 from shared.module import Module, StepContext
 from shared.saga import Cancel, Failed, Requeue, Started, Submit, Succeeded, Timing, decide
 from shared.states import Phase, StepState, TaskStatus
-from shared.storage import AttemptRecord, InMemoryStore
+from shared.storage import AttemptRecord, InMemoryStore, TaskEvent
 from shared.task import Task, new_task
 from shared.testing import Harness, wait_for
 
@@ -108,8 +108,10 @@ class CountingStore(InMemoryStore):
         super().__init__()
         self.commits: list[AttemptRecord | None] = []
 
-    def save(self, task: Task, now: float, attempt: AttemptRecord | None = None) -> bool:
-        saved = super().save(task, now, attempt)
+    def save(
+        self, task: Task, now: float, attempt: AttemptRecord | None = None, event: TaskEvent | None = None
+    ) -> bool:
+        saved = super().save(task, now, attempt, event)
         if saved:
             self.commits.append(attempt)
         return saved
