@@ -137,14 +137,16 @@ def run_all(settings: Settings, port: int, modules: list[str]) -> int:
     cmd = [sys.executable, "-m", "asyncflow"]
     die_with_us = _die_with_parent(os.getpid())
     stop = _stop_on_signals()
-    children = {
-        "api": subprocess.Popen([*cmd, "api", "--port", str(port)], env=env, preexec_fn=die_with_us),
-        "scheduler": subprocess.Popen([*cmd, "scheduler"], env=env, preexec_fn=die_with_us),
-    }
+    commands = {"api": [*cmd, "api", "--port", str(port)], "scheduler": [*cmd, "scheduler"]}
     if modules:  # none when every module is pull-mode (worked through the v1 API)
-        children["worker"] = subprocess.Popen([*cmd, "worker", *modules], env=env, preexec_fn=die_with_us)
+        commands["worker"] = [*cmd, "worker", *modules]
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(commands[name], env=env, preexec_fn=die_with_us)
+
+    children = {name: start(name) for name in commands}
     reload.forward_hangup(settings, children, modules)
-    code = _supervise(settings, port, children, stop)
+    code = _supervise(settings, port, children, stop, start)
     for proc in children.values():
         if proc.poll() is None:
             proc.terminate()
@@ -180,24 +182,52 @@ def _refuse_taken_port(host: str, port: int) -> None:
 WAITING_NOTE_EVERY = 15.0
 
 
+# A part that dies once `up` is up is started again after this long, doubling per
+# death up to RESTART_AT_MOST, back to the first once it ran RESTART_RESET_AFTER.
+RESTART_FIRST, RESTART_AT_MOST, RESTART_RESET_AFTER = 1.0, 30.0, 60.0
+
+
 def _supervise(
-    settings: Settings, port: int, children: dict[str, subprocess.Popen[bytes]], stop: threading.Event
+    settings: Settings,
+    port: int,
+    children: dict[str, subprocess.Popen[bytes]],
+    stop: threading.Event,
+    start: Callable[[str], subprocess.Popen[bytes]],
 ) -> int:
-    """Say "is up" once every part answers; then watch them until a stop signal (0) or a death (1).
+    """Say "is up" once every part answers; then keep them running until a stop signal (0).
 
     The API answers by /healthz; the scheduler and the worker by their registry
-    rows (shared.presence), renewed once they reached the database.
+    rows (shared.presence), renewed once they reached the database. A part that
+    dies before that is a start-up failure: everything stops (1). One that dies
+    later (killed, out of memory) is started again, as a service manager would;
+    its attempts in flight are failed by their missing heartbeats and run again.
     """
     url = liveness.local_url(settings.api_host, port)
     store = Runtime(settings).process_store
     host = liveness.this_host()
     waiting = set(children)
     note_at = time.monotonic() + WAITING_NOTE_EVERY
+    started = dict.fromkeys(children, time.monotonic())
+    pause = dict.fromkeys(children, RESTART_FIRST)
+    restart_at: dict[str, float] = {}
     while not stop.is_set():
         dead = {name: p.returncode for name, p in children.items() if p.poll() is not None}
-        if dead:
-            log.error("stopping everything: %s exited", dead)
+        if dead and waiting:
+            log.error("stopping everything: %s exited before asyncflow was up", dead)
             return 1
+        now = time.monotonic()
+        for name, code in dead.items():
+            if name not in restart_at:
+                if now - started[name] >= RESTART_RESET_AFTER:
+                    pause[name] = RESTART_FIRST
+                log.error("%s exited with %s: starting it again in %gs", name, code, pause[name])
+                restart_at[name] = now + pause[name]
+                pause[name] = min(pause[name] * 2, RESTART_AT_MOST)
+            elif now >= restart_at[name]:
+                del restart_at[name]
+                children[name] = start(name)
+                started[name] = now
+                log.info("%s started again (pid %d)", name, children[name].pid)
         if waiting:
             waiting -= _answering(waiting, children, url, store, host, settings.heartbeat_interval)
             if not waiting:

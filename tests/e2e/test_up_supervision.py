@@ -106,3 +106,25 @@ def test_a_second_up_on_a_taken_port_says_so_at_once(tmp_path: Path) -> None:
     # Nothing was started: no migration ran, no part logged a line.
     assert not (tmp_path / "home" / "asyncflow.sqlite").exists()
     assert "api[" not in second.stderr and "is up" not in second.stderr
+
+
+def test_a_worker_killed_under_up_is_started_again_and_its_long_step_recovers(tmp_path: Path) -> None:
+    """kill -9 of the worker during a ten-minute step: `up` starts it again, and the attempt
+    whose heartbeats stopped runs again, long before its timeout."""
+    gate = tmp_path / "go"
+    env = {"ASYNCFLOW_HEARTBEAT_INTERVAL": "1"}
+    with open_stack("embedded", tmp_path, env=env, groups=None) as stack:
+        up = stack.procs["up"]
+        wait_for(lambda: "is up" in stack.log("up"), 60, "up to be up")
+        task_id = stack.submit("long", {"wait_for_file": {"0": str(gate)}})["task_id"]
+        wait_for(lambda: (stack.get(task_id)["attempts"] or [{}])[-1].get("heartbeat_at"), 30, "a heartbeat")
+        [worker] = [p for p in children_of(up.pid) if "worker" in Path(f"/proc/{p}/cmdline").read_text()]
+        for pid in children_of(worker) | {worker}:
+            os.kill(pid, signal.SIGKILL)  # the worker and its pool, mid-step
+        wait_for(lambda: "worker started again" in stack.log("up"), 30, "up to start the worker again")
+        gate.touch()
+        doc = stack.wait_stopped(task_id, timeout=60)
+        assert doc["task_status"] == 0, doc
+        lost, rerun = doc["attempts"]
+        assert lost["error"].startswith("worker lost: no heartbeat") and rerun["outcome"] == "succeeded"
+        assert up.poll() is None  # up kept running
