@@ -69,6 +69,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     )
     app.state.runtime = runtime
     app.state.api_keys = keys
+    app.state.stack_metrics = stack_metrics  # the dashboard's workers page asks it too
     log_mode(keys)
     errors.install(app)
     docs.install(app)

@@ -71,6 +71,10 @@ class StackMetrics:
         metrics.SCRAPE_ERRORS.labels(part).inc()
         return None
 
+    def queue_depths(self, queues: list[str]) -> dict[str, int] | None:
+        """Messages waiting in each of ``queues``, or None if the broker did not answer in time."""
+        return self._part("queue_depth_ui", lambda: queue_depths(self.runtime.settings, queues, self.timeout))
+
     def _queue_depth(self) -> list[Family]:
         flows = self.runtime.flows
         modules = sorted(flows.push_module_names())

@@ -17,6 +17,7 @@ from oss_api.ui.pages import other_routes
 from oss_api.ui.render import STATIC, page
 from oss_api.ui.session import LoginNeeded, Refused
 from oss_api.ui.tasks import task_routes
+from oss_api.ui.workers import worker_routes
 from shared.runtime import Runtime
 
 
@@ -24,6 +25,7 @@ def install(app: FastAPI, runtime: Runtime) -> None:
     """Serve the dashboard from ``app``."""
     app.include_router(task_routes(runtime))
     app.include_router(other_routes(runtime))
+    app.include_router(worker_routes(runtime))
     app.mount("/ui/static", StaticFiles(directory=STATIC), name="ui-static")
 
     @app.exception_handler(LoginNeeded)

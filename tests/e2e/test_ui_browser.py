@@ -242,3 +242,18 @@ def test_flows_schedules_v1_and_login_pages_render(admin: Page, browser: Browser
     anonymous.goto("/ui/login")
     anonymous.screenshot(path=str(shots / "login.png"))
     anonymous.context.close()
+
+
+def test_the_workers_page_shows_the_worker_and_its_attempt_in_flight(
+    admin: Page, stack: Stack, tmp_path: Path, shots: Path
+) -> None:
+    release = tmp_path / "release"
+    task_id = submit(stack, wait_for_file={"1": str(release)})
+    admin.goto("/ui/workers")
+    row = admin.locator("tr", has=admin.locator("td.id", has_text="beta"))
+    expect(row).to_contain_text("asyncflow.beta")
+    # The registry row is renewed every heartbeat interval: the page refreshes until it shows the attempt.
+    expect(row.locator(f'a[href="/ui/tasks/{task_id}"]')).to_be_visible(timeout=15_000)
+    expect(admin.locator("td", has_text="alpha, beta, monitor").first).to_be_visible()
+    admin.screenshot(path=str(shots / "workers.png"), full_page=True)
+    release.touch()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from oss_api.testing import TestClient, open_client
-from oss_api.ui import timeline
+from oss_api.ui import timeline, workers
 from oss_api.ui.stats import percentile, step_stats
 from shared.config import Settings
 from shared.consumer import StepConsumer
@@ -24,6 +25,7 @@ from shared.flows import load_flows
 from shared.scheduler.sweeps import sweep_tasks
 from shared.states import StepType
 from shared.storage import AttemptRecord
+from shared.storage.base import ProcessRecord
 from shared.testing import InProcess
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
@@ -216,3 +218,55 @@ def test_the_timeline_shows_a_retry_waiting_for_its_delay(ui: Ui, monkeypatch: p
     assert found[-1].backoff == 0.2 and found[-1].due_at is not None
     bars = timeline.bars(found, task.created_at, ui.app.clock.now + 1)
     assert all(0 <= b.wait_x <= 100 and b.run_x + b.run_w <= 100.5 for b in bars)
+
+
+# --- workers and queues -----------------------------------------------------------------------
+
+
+def worker_row(pid: int, seen_at: float, modules: list[str], stopped_at: float | None = None,
+               in_flight: list[dict[str, Any]] | None = None, waits: list[tuple[str, float]] | None = None
+               ) -> ProcessRecord:
+    samples = [["asyncflow_step_queue_wait_seconds_bucket", {"module": m, "le": le}, n]
+               for m in modules for le, n in (waits or [])]
+    metrics = [{"name": "asyncflow_step_queue_wait_seconds", "type": "histogram", "help": "", "samples": samples}]
+    return ProcessRecord(
+        process_id=f"worker@h:{pid}", role="worker", host="h", pid=pid, started_at=seen_at - 60, seen_at=seen_at,
+        detail={"modules": modules, "concurrency": 2, "in_flight": in_flight or []}, metrics=metrics,
+        stopped_at=stopped_at,
+    )
+
+
+def test_queue_wait_quantiles_are_the_bounds_of_their_buckets() -> None:
+    cumulative = [("0.005", 50.0), ("0.01", 90.0), ("0.1", 99.0), ("+Inf", 100.0)]
+    waits = workers.queue_waits([{
+        "name": "asyncflow_step_queue_wait_seconds", "type": "histogram", "help": "",
+        "samples": [["asyncflow_step_queue_wait_seconds_bucket", {"module": "alpha", "le": le}, n]
+                    for le, n in cumulative],
+    }])
+    assert waits == {"alpha": (0.005, 0.1)}
+    assert workers.quantile([], 0.5) is None
+
+
+def test_module_rows_list_the_live_workers_of_each_module_and_leave_the_silent_out() -> None:
+    now, interval = 1000.0, 5.0
+    live = worker_row(1, now - 2, ["alpha"], in_flight=[{"task_id": "t1", "module": "alpha", "command": "step"}],
+                      waits=[("0.01", 3.0), ("+Inf", 4.0)])
+    silent = worker_row(2, now - 16, ["alpha", "beta"])  # missed three heartbeats
+    stopped = worker_row(3, now - 1, ["beta"], stopped_at=now - 1)
+    rows = workers.module_rows(["beta", "alpha"], [live, silent, stopped], now, interval, {"asyncflow.alpha": 7})
+    assert [(r.module, r.depth, [w.pid for w in r.workers]) for r in rows] == [("alpha", 7, [1]), ("beta", None, [])]
+    assert rows[0].wait_p50 == 0.01
+    shown, gone = workers.split([live, silent, stopped], now, interval)
+    assert [p.pid for p in shown] == [1] and sorted(p.pid for p in gone) == [2, 3]
+
+
+def test_the_workers_page_shows_each_module_its_workers_and_their_attempts(ui: Ui) -> None:
+    ui.sign_in(ADMIN_KEY)
+    store = ui.app.runtime.process_store
+    now = time.time()  # registry rows are wall-clock times (shared.presence)
+    store.register(worker_row(4242, now, ["alpha", "beta"],
+                              in_flight=[{"task_id": "task-in-flight-1", "module": "alpha", "command": "step"}]))
+    html = ui.client.get("/ui/workers").text
+    assert "Workers and queues" in html and "asyncflow.alpha" in html and "h:4242" in html
+    assert '<a href="/ui/tasks/task-in-flight-1">' in html
+    assert 'href="/ui/workers" class="here"' in html
