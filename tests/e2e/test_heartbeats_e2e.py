@@ -20,7 +20,8 @@ INTERVAL = 1.0
 WORKER = "worker-alpha"
 
 
-@pytest.fixture(scope="module", params=["embedded", "postgres-rabbitmq"])
+# The embedded default is covered through `up` in test_up_supervision.py.
+@pytest.fixture(scope="module", params=["postgres-rabbitmq"])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = {"ASYNCFLOW_HEARTBEAT_INTERVAL": str(INTERVAL)}
     with open_stack(request.param, tmp_path_factory.mktemp("heartbeats"), env, [["alpha"]]) as s:
