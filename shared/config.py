@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     # completes only once that step is known not to run, up to
     # record_start_after + expire_grace seconds later.
     record_start_after: float = Field(default=0.0, ge=0)
+    # A worker runs the next step of a flow itself, at once and without its queue,
+    # when it serves that step's module and the step's timeout ends within what is
+    # left of the delivery it took: a message may run for its step's timeout plus
+    # this many seconds (its hard limit moves by as much). 0: every step goes
+    # through its queue.
+    continue_within: float = Field(default=5.0, ge=0)
     # Every process renews its registry row, and a worker each running attempt,
     # this often; a running attempt not renewed for 3 intervals is lost and runs
     # again, whatever its timeout.

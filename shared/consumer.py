@@ -20,8 +20,9 @@ from typing import Any
 
 from shared import metrics
 from shared.config import Settings
+from shared.logs import AttemptFields, attempt_context
 from shared.module import Handler, Module, ModuleError, PermanentError, PollLater, StepContext
-from shared.saga import Failed, Heartbeat, Started, Succeeded, stale
+from shared.saga import Decision, Failed, Heartbeat, Started, Succeeded, stale
 from shared.saga import PollLater as PollLaterEvent
 from shared.service import TaskNotFound, TaskService
 from shared.states import Phase, StepType
@@ -38,7 +39,8 @@ class AttemptTimedOut(Exception):
     """The attempt's time limit interrupted its handler."""
 
 
-def call(handler: Handler, ctx: StepContext) -> Outcome:
+def call(handler: Handler, ctx: StepContext, timeout: float) -> Outcome:
+    """Run a handler with nothing to interrupt it at ``timeout`` (in-process tests)."""
     return handler(ctx)
 
 
@@ -111,7 +113,7 @@ class StepConsumer:
         modules: Mapping[str, Module],
         settings: Settings,
         clock: Callable[[], float] = time.monotonic,
-        invoke: Callable[[Handler, StepContext], Outcome] = call,
+        invoke: Callable[[Handler, StepContext, float], Outcome] = call,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.service = service
@@ -121,21 +123,42 @@ class StepConsumer:
         self.invoke = invoke
         self.sleep = sleep
 
-    def handle(self, message: StepMessage) -> None:
-        """Run one attempt: one read, the handler, one commit of its start and outcome together.
+    def handle(self, message: StepMessage, continue_until: float | None = None) -> None:
+        """Run one attempt, then the flow's next steps this worker serves while they fit.
 
-        The start gets a commit of its own only if the attempt outlives
+        Each attempt: one read, the handler, one commit of its start and outcome
+        together. The start gets a commit of its own only if the attempt outlives
         ``settings.record_start_after``: from then on the scheduler expires it at
         its deadline instead of publishing the message again, and the task shows
         it running.
+
+        A next step whose module this worker serves, and whose timeout ends
+        before ``continue_until`` (on ``clock``), runs here at once instead of
+        going through its queue. Its message is committed with the outcome as
+        always, so if this process dies the sweeps publish or expire it as they
+        would a published one; what is saved is the publish, the delivery and
+        the read. None: every next step is published.
+        """
+        step: tuple[StepMessage, Task | None] | None = (message, None)
+        while step is not None:
+            message, known = step
+            with attempt_context(AttemptFields.of(message) if known is not None else None):
+                step = self._run(message, known, continue_until)
+
+    def _run(
+        self, message: StepMessage, known: Task | None, continue_until: float | None
+    ) -> tuple[StepMessage, Task] | None:
+        """One attempt of ``message``, on ``known`` if the task was just stored here.
+
+        Returns the next step to run here, with the task as stored, or None.
         """
         log_extra = {"task_id": message.task_id, "step": message.cursor, "seq": message.seq}
         metrics.observe_queue_wait(message.module, message.sent_at)
         try:
-            task = self.service.get(message.task_id)
+            task = known if known is not None else self.service.get(message.task_id)
         except TaskNotFound:
             log.warning("step message for an unknown task dropped", extra=log_extra)
-            return
+            return None
         reason = stale(task, Started(message.seq), self.service.clock())
         if reason is None and self.settings.record_start_after <= 0:
             start = Started(message.seq, heartbeats=True)
@@ -144,12 +167,12 @@ class StepConsumer:
         if reason:
             metrics.STALE.labels(message.module).inc()
             log.info("stale step message ignored: %s", reason, extra=log_extra)
-            return
+            return None
         assert task.active is not None
         if task.cancel_requested and message.type is StepType.NORMAL and task.active.phase is Phase.QUEUED:
             # Cancelled before it started: the requeue sweep compensates what ran before it.
             log.info("step not started: its task is being cancelled", extra=log_extra)
-            return
+            return None
         started_at = self.service.clock()
         start_after = self.settings.record_start_after
         pulse = Pulse(self.service, message, start_after if start_after > 0 else None, self.settings.heartbeat_interval)
@@ -158,7 +181,21 @@ class StepConsumer:
             event = self._attempt(message, task, pulse.report)
         finally:
             pulse.stop()
-        self._store_outcome(message, replace(event, started_at=started_at), task)
+        following: list[StepMessage] = []
+
+        def runs_here(next_message: StepMessage) -> bool:
+            if following or continue_until is None or next_message.module not in self.modules:
+                return False
+            if self.clock() + next_message.timeout > continue_until:
+                return False
+            following.append(replace(next_message, sent_at=time.time()))
+            return True
+
+        stored = self._store_outcome(message, replace(event, started_at=started_at), task, runs_here)
+        if stored is None or not following:
+            return None
+        metrics.CONTINUED.labels(following[0].module).inc()
+        return following[0], stored.task
 
     def _attempt(
         self, message: StepMessage, task: Task, progress_sink: Callable[[Mapping[str, Any]], None] | None = None
@@ -184,7 +221,7 @@ class StepConsumer:
         started = self.clock()
         event: OutcomeEvent
         try:
-            outcome = self.invoke(handler, ctx)
+            outcome = self.invoke(handler, ctx, message.timeout)
         except AttemptTimedOut:
             event = Failed(message.seq, f"timed out after {message.timeout:g}s", timed_out=True)
         except PermanentError as exc:
@@ -213,15 +250,18 @@ class StepConsumer:
         metrics.STEP_ATTEMPTS.labels(message.module, message.command, metrics.outcome_of(event)).inc()
         return event
 
-    def _store_outcome(self, message: StepMessage, event: OutcomeEvent, known: Task) -> None:
+    def _store_outcome(
+        self, message: StepMessage, event: OutcomeEvent, known: Task, keep: Callable[[StepMessage], bool]
+    ) -> Decision | None:
         """Record what the handler did, waiting out a database outage within bounds.
 
         Giving up is safe: the attempt then expires at its deadline and runs again
         (handlers are idempotent), but waiting keeps the work that was done.
+        Returns the stored decision, None when it could not be stored.
         """
         try:
-            patiently(
-                lambda: self.service.apply(message.task_id, event, known=known, worker=worker_name()),
+            return patiently(
+                lambda: self.service.apply(message.task_id, event, known=known, worker=worker_name(), keep=keep),
                 self.settings.outcome_patience,
                 "storing the outcome",
                 self.clock,
@@ -233,6 +273,7 @@ class StepConsumer:
                 exc,
                 extra={"task_id": message.task_id, "seq": message.seq},
             )
+            return None
 
     def _handler(self, message: StepMessage) -> Handler:
         module = self.modules.get(message.module)

@@ -17,10 +17,13 @@ from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from logging.handlers import WatchedFileHandler
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from weakref import WeakValueDictionary
 
 from shared.config import Settings
+
+if TYPE_CHECKING:
+    from shared.task import StepMessage
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,18 @@ class AttemptFields:
     attempt: int
     module: str
     command: str
+
+    @classmethod
+    def of(cls, message: StepMessage) -> AttemptFields:
+        return cls(
+            task_id=message.task_id,
+            flow=message.flow,
+            step=message.cursor,
+            seq=message.seq,
+            attempt=message.attempt,
+            module=message.module,
+            command=message.command,
+        )
 
     def fields(self) -> dict[str, Any]:
         return asdict(self)

@@ -38,6 +38,11 @@ RETRIES = Counter("asyncflow_step_retries_total", "Failed attempts that will be 
 ROLLBACKS = Counter("asyncflow_rollbacks_total", "Rollback commands dispatched", ["flow", "module"])
 STALE = Counter("asyncflow_stale_messages_total", "Step messages ignored as duplicate or stale", ["module"])
 ALARMS = Counter("asyncflow_alarms_total", "Compensations that failed", ["flow", "module"])
+CONTINUED = Counter(
+    "asyncflow_steps_continued_total",
+    "Next steps run at once by the worker that ran the step before, without their queue",
+    ["module"],
+)
 HEARTBEATS = Counter("asyncflow_step_heartbeats_total", "Running attempts renewed by their worker", ["module"])
 EXPIRED = Counter(
     "asyncflow_attempts_expired_total",

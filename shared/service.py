@@ -147,13 +147,22 @@ class TaskService:
 
     # --- transitions ---------------------------------------------------------
 
-    def apply(self, task_id: str, event: Event, known: Task | None = None, worker: str | None = None) -> Decision:
+    def apply(
+        self,
+        task_id: str,
+        event: Event,
+        known: Task | None = None,
+        worker: str | None = None,
+        keep: Callable[[StepMessage], bool] | None = None,
+    ) -> Decision:
         """Decide ``event`` against the stored task and persist the result atomically.
 
         ``known`` is a copy the caller just stored (a consumer between the start
         and the outcome of an attempt): it saves a read, and if it is out of date
         the compare-and-set fails and the task is read again. ``worker`` names the
-        process reporting a step event, for the attempt log.
+        process reporting a step event, for the attempt log. A message of the
+        decision for which ``keep`` answers True is not published: the caller
+        delivers it itself (a consumer running the next step at once).
         """
         now = self.clock()
 
@@ -168,7 +177,7 @@ class TaskService:
             lambda task: decide(task, event, now, self.timing),
             write,
             known=known,
-            effects=self._after,
+            effects=lambda before, decision: self._after(before, decision, keep),
         )
         if decision.ignored or decision.task is before:
             return decision
@@ -177,7 +186,7 @@ class TaskService:
         # What is stored now, version included, for the caller's next ``known``.
         return replace(decision, task=replace(decision.task, version=before.version + 1))
 
-    def _after(self, before: Task, decision: Decision) -> None:
+    def _after(self, before: Task, decision: Decision, keep: Callable[[StepMessage], bool] | None = None) -> None:
         task = decision.task
         if task.status is not before.status and task.status.is_terminal:
             metrics.FINISHED.labels(task.flow, task.status.label).inc()
@@ -185,14 +194,16 @@ class TaskService:
                 "task finished",
                 extra={"task_id": task.task_id, "flow": task.flow, "status": task.status.label},
             )
-        self._publish(decision)
+        self._publish(decision, keep)
 
-    def _publish(self, decision: Decision) -> None:
+    def _publish(self, decision: Decision, keep: Callable[[StepMessage], bool] | None = None) -> None:
         for message in decision.messages:
             if message.type is StepType.ROLLBACK and message.attempt == 1:
                 metrics.ROLLBACKS.labels(message.flow, message.module).inc()
             if message.attempt > 1:
                 metrics.RETRIES.labels(message.module, message.command).inc()
+            if keep is not None and keep(message):
+                continue
             try:
                 self.publisher.publish(message)
             except Exception as exc:

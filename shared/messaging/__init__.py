@@ -42,12 +42,30 @@ def queue_name(module: str) -> str:
     return QUEUE_PREFIX + module
 
 
-def call_with_time_limit(handler: Handler, ctx: StepContext) -> Mapping[str, Any] | PollLater | None:
-    """Run a handler under Celery's soft time limit, which interrupts it with its own exception."""
+def call_with_time_limit(handler: Handler, ctx: StepContext, timeout: float) -> Mapping[str, Any] | PollLater | None:
+    """Run a handler, interrupted by :class:`AttemptTimedOut` once it has run ``timeout`` seconds.
+
+    A delivery may run several attempts (the next steps of a flow, see
+    :meth:`StepConsumer.handle`), so Celery's soft limit covers the whole
+    delivery; each attempt gets its own, from a timer signal in the pool
+    process's main thread, where Celery runs tasks.
+    """
+    timer = threading.current_thread() is threading.main_thread()
+    if timer:
+        previous = signal.signal(signal.SIGALRM, _time_is_up)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         return handler(ctx)
     except SoftTimeLimitExceeded as exc:
         raise AttemptTimedOut(str(exc)) from exc
+    finally:
+        if timer:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def _time_is_up(signum: int, frame: object) -> None:
+    raise AttemptTimedOut("the attempt's time limit is up")
 
 
 class StepRequest(Request):  # type: ignore[misc]  # celery is untyped: Request is Any
@@ -151,6 +169,10 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
+# Seconds a delivery keeps clear of its soft limit when it runs further steps.
+LIMIT_MARGIN = 0.5
+
+
 def serve_steps(app: Celery, consumer: StepConsumer) -> None:
     """Register the step and alarm tasks of a worker process, run by ``consumer``."""
     request = type("BoundStepRequest", (StepRequest,), {"consumer": consumer})
@@ -158,10 +180,16 @@ def serve_steps(app: Celery, consumer: StepConsumer) -> None:
     keep_process_logging()
     follow_attempts(STEP_TASK)  # run_step's lines and Celery's about it carry the attempt's fields
 
+    continues = consumer.settings.continue_within > 0
+
     @app.task(name=STEP_TASK, bind=True, Request=request, shared=False)  # type: ignore[untyped-decorator]
     def run_step(self: Task, payload: dict[str, Any]) -> None:
+        # Next steps may run in this delivery while they end before its soft limit
+        # (CeleryPublisher sets it), a little early: the pool started the clock first.
+        soft_limit = (self.request.timelimit or (None, None))[1]
+        until = time.monotonic() + soft_limit - LIMIT_MARGIN if continues and soft_limit else None
         try:
-            consumer.handle(StepMessage.from_payload(payload))
+            consumer.handle(StepMessage.from_payload(payload), continue_until=until)
         except StorageUnavailable as exc:
             # Nothing ran yet (the start could not be recorded). Keep the message:
             # a delayed copy goes back on the queue before this one is acknowledged.
@@ -222,6 +250,7 @@ class CeleryPublisher:
     def __init__(self, app: Celery, settings: Settings) -> None:
         self.app = app
         self.grace = settings.hard_timeout_grace
+        self.continue_within = settings.continue_within
         self.alert_command = settings.alert_command
         self._paused_until = 0.0
         # Redis reads level 0 first, RabbitMQ the highest: the same order either way.
@@ -239,9 +268,11 @@ class CeleryPublisher:
                 args=[replace(message, sent_at=time.time()).to_payload()],
                 queue=queue_name(message.module),
                 priority=self._level(message),
-                # The soft limit interrupts the handler; the hard one kills its process.
-                soft_time_limit=message.timeout,
-                time_limit=message.timeout + self.grace,
+                # Limits of the delivery, which may go on with the flow's next steps: each
+                # attempt is interrupted at its own timeout (call_with_time_limit); the soft
+                # limit is the backstop, the hard one kills the process.
+                soft_time_limit=message.timeout + self.continue_within,
+                time_limit=message.timeout + self.continue_within + self.grace,
                 # What Celery's logs show for the message: which step of which task. Celery
                 # would otherwise render the whole payload, Parameters included, per publish.
                 argsrepr=f"{message.task_id} step {message.cursor} seq {message.seq}",

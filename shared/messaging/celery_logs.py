@@ -28,15 +28,7 @@ def attempt_fields(args: Sequence[Any]) -> AttemptFields | None:
         message = StepMessage.from_payload(args[0])
     except (IndexError, KeyError, TypeError, ValueError):
         return None
-    return AttemptFields(
-        task_id=message.task_id,
-        flow=message.flow,
-        step=message.cursor,
-        seq=message.seq,
-        attempt=message.attempt,
-        module=message.module,
-        command=message.command,
-    )
+    return AttemptFields.of(message)
 
 
 def follow_attempts(task_name: str) -> None:

@@ -44,14 +44,18 @@ def test_a_step_message_lands_on_its_module_list_as_a_celery_step_task(
     assert StepMessage.from_payload(payload) == message
 
 
-@pytest.mark.parametrize(("timeout", "grace"), [(10.0, 5.0), (300.0, 2.5), (0.5, 0.0), (3600.0, 60.0)])
-def test_the_time_limits_are_the_step_timeout_and_the_timeout_plus_the_grace(
-    make_publisher: MakePublisher, redis_client: fakeredis.FakeRedis, timeout: float, grace: float
+@pytest.mark.parametrize(
+    ("timeout", "within", "grace"), [(10.0, 5.0, 5.0), (300.0, 0.0, 2.5), (0.5, 1.0, 0.0), (3600.0, 5.0, 60.0)]
+)
+def test_the_time_limits_are_the_step_timeout_plus_continue_within_and_then_the_grace(
+    make_publisher: MakePublisher, redis_client: fakeredis.FakeRedis, timeout: float, within: float, grace: float
 ) -> None:
-    make_publisher(hard_timeout_grace=grace).publish(step_message("beta", timeout=timeout))
+    # The delivery may go on with the flow's next steps for continue_within seconds
+    # past its own step's timeout; the hard limit comes the grace after that.
+    make_publisher(hard_timeout_grace=grace, continue_within=within).publish(step_message("beta", timeout=timeout))
 
     (envelope,) = envelopes(redis_client, "asyncflow.beta")
-    assert envelope["headers"]["timelimit"] == [timeout + grace, timeout]
+    assert envelope["headers"]["timelimit"] == [timeout + within + grace, timeout + within]
 
 
 def test_messages_keep_their_order_on_each_module_list(

@@ -1,0 +1,158 @@
+"""A worker runs the flow's next step itself when it serves that step's module and the
+step fits in what is left of the delivery (``StepConsumer.handle(continue_until=...)``).
+
+Through the in-process harness: what is stored must be what the same flow stores
+when every step goes through its queue; only the publishes are saved.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.config import Settings
+from shared.consumer import AttemptTimedOut
+from shared.flows import load_flows
+from shared.messaging import call_with_time_limit
+from shared.module import Module, StepContext
+from shared.saga import Cancel
+from shared.states import StepState, StepType, TaskStatus
+from shared.storage import InMemoryStore
+from shared.testing import Harness
+from tests.support import testmod
+
+FLOWS = load_flows(Path(__file__).resolve().parents[1] / "support" / "flows.yaml")
+N, R = StepType.NORMAL, StepType.ROLLBACK
+FAR = 1e9  # seconds: every step fits
+
+
+def harness(modules: dict[str, Module], **settings: Any) -> Harness:
+    return Harness(FLOWS, modules, store=InMemoryStore(), settings=Settings(home=Path(".t"), **settings))
+
+
+def both() -> dict[str, Module]:
+    return {"alpha": testmod.alpha, "beta": testmod.beta}
+
+
+def deliver_first(h: Harness, flow: str, parameters: dict[str, Any], within: float = FAR) -> str:
+    """Submit, then hand the first message to the consumer as the broker would, once."""
+    task, _ = h.service.submit(flow, parameters)
+    first = h.publisher.messages.popleft()
+    h.consumer.handle(first, continue_until=h.clock() + within)
+    return task.task_id
+
+
+def stored_story(h: Harness, task_id: str) -> list[tuple[int, int, int, str | None]]:
+    return [(a.cursor, int(a.type), a.attempt, a.outcome) for a in h.service.attempts(task_id)]
+
+
+@pytest.mark.parametrize("record_start_after", [0.0, 1.0])
+def test_one_delivery_runs_every_step_its_worker_serves_and_stores_what_the_queue_would(
+    record_start_after: float,
+) -> None:
+    here = harness(both(), record_start_after=record_start_after)
+    task_id = deliver_first(here, "noop", {})
+
+    assert not here.publisher.messages  # steps 2 and 3 never went through a queue
+    assert here.service.get(task_id).status is TaskStatus.SUCCESS
+
+    queued = harness(both(), record_start_after=record_start_after)
+    other, _ = queued.service.submit("noop", {})
+    queued.run()
+    assert len(queued.delivered) == 3
+    assert stored_story(here, task_id) == stored_story(queued, other.task_id)
+    assert [s.state for s in here.service.get(task_id).steps] == [StepState.SUCCEEDED] * 3
+
+
+def test_a_step_of_a_module_the_worker_does_not_serve_goes_to_its_queue() -> None:
+    h = harness({"alpha": testmod.alpha})
+    task_id = deliver_first(h, "noop", {})
+
+    (published,) = h.publisher.messages
+    assert (published.module, published.cursor, published.seq) == ("beta", 1, 2)
+    task = h.service.get(task_id)
+    assert task.status is TaskStatus.RUNNING and task.steps[0].state is StepState.SUCCEEDED
+
+
+def test_a_step_whose_timeout_would_outlast_the_delivery_goes_to_its_queue() -> None:
+    h = harness(both())
+    task_id = deliver_first(h, "noop", {}, within=19.0)  # noop's steps have a 20 s timeout
+
+    (published,) = h.publisher.messages
+    assert published.cursor == 1
+    assert h.service.get(task_id).steps[0].state is StepState.SUCCEEDED
+
+
+def test_without_a_deadline_every_next_step_is_published() -> None:
+    h = harness(both())
+    task, _ = h.service.submit("noop", {})
+    h.consumer.handle(h.publisher.messages.popleft())
+    assert [m.cursor for m in h.publisher.messages] == [1]
+
+
+def test_compensation_runs_on_in_the_same_delivery() -> None:
+    h = harness(both())
+    task_id = deliver_first(h, "three", {"fail_at": [2]})  # step 2 has no retries
+
+    assert h.service.get(task_id).status is TaskStatus.FAILED
+    assert not h.publisher.messages
+    assert stored_story(h, task_id) == [
+        (0, N, 1, "succeeded"),
+        (1, N, 1, "succeeded"),
+        (2, N, 1, "failed"),
+        (2, R, 1, "succeeded"),
+        (1, R, 1, "succeeded"),
+        (0, R, 1, "succeeded"),
+    ]
+
+
+def test_a_retry_waits_for_its_backoff_and_is_not_run_at_once() -> None:
+    h = harness(both())
+    task_id = deliver_first(h, "three", {"flaky": {"1": 1}})
+
+    # Step 1 failed once; its retry waits (backoff), so nothing is published or run yet.
+    assert not h.publisher.messages
+    task = h.service.get(task_id)
+    assert task.status is TaskStatus.RUNNING and task.steps[1].attempts == 1
+    h.run()  # the scheduler releases the retry; the queue delivers it
+    assert h.service.get(task_id).status is TaskStatus.SUCCESS
+
+
+def test_a_cancel_stored_while_a_continued_step_runs_is_not_lost() -> None:
+    """The consumer goes on from the copy it stored; a change made meanwhile must win."""
+    beta = Module("beta")
+    h = harness({"alpha": testmod.alpha, "beta": beta})
+    cancelled = threading.Event()
+
+    @beta.command("step")
+    def step(ctx: StepContext) -> None:
+        h.service.operate(ctx.task_id, Cancel(), actor="operator")  # lands between start and outcome
+        cancelled.set()
+
+    @beta.command("undo")
+    def undo(ctx: StepContext) -> None:
+        pass
+
+    task_id = deliver_first(h, "noop", {})
+    assert cancelled.is_set()
+    h.run()
+    task = h.service.get(task_id)
+    assert task.status is TaskStatus.CANCELLED, task
+    # Step 2 (alpha) never ran: the cancel stopped the flow after step 1.
+    assert [(c, t) for c, t, _, _ in stored_story(h, task_id)][:2] == [(0, N), (1, N)]
+    assert all(c != 2 for c, _, _, _ in stored_story(h, task_id))
+
+
+def test_each_attempt_of_a_delivery_is_interrupted_at_its_own_timeout() -> None:
+    """Celery's soft limit covers the whole delivery; the attempt's own timer stops it first."""
+    ctx = StepContext(task_id="t", flow="f", cursor=0, step_type=0, attempt=1, parameters={}, settings=Settings())
+    began = time.monotonic()
+    with pytest.raises(AttemptTimedOut):
+        call_with_time_limit(lambda _: threading.Event().wait(5) and None, ctx, 0.2)
+    assert 0.15 < time.monotonic() - began < 1.5
+    assert call_with_time_limit(lambda _: {"ok": 1}, ctx, 0.2) == {"ok": 1}
+    time.sleep(0.3)  # the timer of the finished attempt was disarmed: nothing goes off
