@@ -123,7 +123,12 @@ class StepConsumer:
         self.invoke = invoke
         self.sleep = sleep
 
-    def handle(self, message: StepMessage, continue_until: float | None = None) -> None:
+    def handle(
+        self,
+        message: StepMessage,
+        continue_until: float | None = None,
+        on_next: Callable[[StepMessage], None] | None = None,
+    ) -> None:
         """Run one attempt, then the flow's next steps this worker serves while they fit.
 
         Each attempt: one read, the handler, one commit of its start and outcome
@@ -137,11 +142,14 @@ class StepConsumer:
         going through its queue. Its message is committed with the outcome as
         always, so if this process dies the sweeps publish or expire it as they
         would a published one; what is saved is the publish, the delivery and
-        the read. None: every next step is published.
+        the read. None: every next step is published. ``on_next`` hears of each
+        step run on to, before it starts (who reports the process lost must know).
         """
         step: tuple[StepMessage, Task | None] | None = (message, None)
         while step is not None:
             message, known = step
+            if known is not None and on_next is not None:
+                on_next(message)
             with attempt_context(AttemptFields.of(message) if known is not None else None):
                 step = self._run(message, known, continue_until)
 

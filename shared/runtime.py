@@ -12,7 +12,8 @@ from celery import Celery
 from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import FlowsError, FlowSet, ModuleDecl, load_flows
-from shared.messaging import CeleryPublisher, call_with_time_limit, make_celery, serve_steps
+from shared.messaging import CeleryPublisher, make_celery, serve_steps
+from shared.messaging.running import RunningSteps
 from shared.module import Module
 from shared.pull.rules import TaskType
 from shared.pull.service import PullService
@@ -179,8 +180,9 @@ class Runtime:
     def consumer(self, names: list[str]) -> StepConsumer:
         """The step consumer of a worker serving ``names``, with its Celery tasks registered."""
         modules = self.load_modules(names)
-        consumer = StepConsumer(self.service, modules, self.settings, invoke=call_with_time_limit)
-        serve_steps(self.celery, consumer)
+        running = RunningSteps(self.settings.hard_timeout_grace)
+        consumer = StepConsumer(self.service, modules, self.settings, invoke=running.call)
+        serve_steps(self.celery, consumer, running)
         return consumer
 
     def close(self) -> None:

@@ -12,21 +12,19 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from billiard.exceptions import WorkerLostError
 from celery import Celery, Task
-from celery.exceptions import SoftTimeLimitExceeded
 from celery.worker.request import Request
 
 from shared.config import Settings
-from shared.consumer import AttemptTimedOut, StepConsumer
-from shared.logs import attempt_context, name_message
+from shared.consumer import StepConsumer
+from shared.logs import AttemptFields, attempt_context, name_message
 from shared.messaging.celery_logs import attempt_fields, follow_attempts, keep_process_logging
 from shared.messaging.embedded import kombu_url
-from shared.module import Handler, PollLater, StepContext
+from shared.messaging.running import RunningSteps
 from shared.retry import reconnect_delay
 from shared.storage import StorageUnavailable
 from shared.task import Alarm, StepMessage
@@ -42,36 +40,12 @@ def queue_name(module: str) -> str:
     return QUEUE_PREFIX + module
 
 
-def call_with_time_limit(handler: Handler, ctx: StepContext, timeout: float) -> Mapping[str, Any] | PollLater | None:
-    """Run a handler, interrupted by :class:`AttemptTimedOut` once it has run ``timeout`` seconds.
-
-    A delivery may run several attempts (the next steps of a flow, see
-    :meth:`StepConsumer.handle`), so Celery's soft limit covers the whole
-    delivery; each attempt gets its own, from a timer signal in the pool
-    process's main thread, where Celery runs tasks.
-    """
-    timer = threading.current_thread() is threading.main_thread()
-    if timer:
-        previous = signal.signal(signal.SIGALRM, _time_is_up)
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        return handler(ctx)
-    except SoftTimeLimitExceeded as exc:
-        raise AttemptTimedOut(str(exc)) from exc
-    finally:
-        if timer:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-
-
-def _time_is_up(signum: int, frame: object) -> None:
-    raise AttemptTimedOut("the attempt's time limit is up")
-
-
 class StepRequest(Request):  # type: ignore[misc]  # celery is untyped: Request is Any
     """Reports attempts that never returned: killed by the hard time limit or lost."""
 
-    consumer: StepConsumer  # set by serve_steps on the subclass it registers
+    # Set by serve_steps on the subclass it registers.
+    consumer: StepConsumer
+    running: RunningSteps
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -81,23 +55,35 @@ class StepRequest(Request):  # type: ignore[misc]  # celery is untyped: Request 
         if self.log_fields is not None:
             name_message(self.id, self.log_fields)
 
+    def running_step(self) -> tuple[StepMessage, str | None]:
+        """The step its pool process ran last, the delivered one or a later one, and why it killed itself."""
+        return self.running.step_of(self.id, self.worker_pid, StepMessage.from_payload(self.args[0]))
+
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        with attempt_context(self.log_fields):
+        step, _ = self.running_step()
+        with attempt_context(AttemptFields.of(step)):
             super().on_timeout(soft, timeout)
             if not soft:
-                self._report_lost(f"killed after the hard time limit of {timeout:g}s", timed_out=True)
+                self._report_lost(step, f"killed after the hard time limit of {timeout:g}s", timed_out=True)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
-        with attempt_context(self.log_fields):
+        exc = exc_info.exception
+        exc = getattr(exc, "exc", exc)  # billiard wraps it in ExceptionWithTraceback
+        if not isinstance(exc, WorkerLostError):
+            with attempt_context(self.log_fields):
+                super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+            return
+        step, killed = self.running_step()
+        with attempt_context(AttemptFields.of(step)):
             super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-            exc = exc_info.exception
-            exc = getattr(exc, "exc", exc)  # billiard wraps it in ExceptionWithTraceback
-            if isinstance(exc, WorkerLostError):
-                self._report_lost(f"worker process lost: {exc}")
+            if killed:  # by its own hard time limit (RunningSteps.call)
+                self._report_lost(step, killed, timed_out=True)
+            else:
+                self._report_lost(step, f"worker process lost: {exc}")
 
-    def _report_lost(self, reason: str, timed_out: bool = False) -> None:
+    def _report_lost(self, step: StepMessage, reason: str, timed_out: bool = False) -> None:
         try:
-            self.consumer.lost(StepMessage.from_payload(self.args[0]), reason, timed_out=timed_out)
+            self.consumer.lost(step, reason, timed_out=timed_out)
         except Exception:  # the sweep (not this hook) is the safety net
             log.exception("could not record a lost step attempt")
 
@@ -173,9 +159,12 @@ def make_celery(settings: Settings) -> Celery:
 LIMIT_MARGIN = 0.5
 
 
-def serve_steps(app: Celery, consumer: StepConsumer) -> None:
-    """Register the step and alarm tasks of a worker process, run by ``consumer``."""
-    request = type("BoundStepRequest", (StepRequest,), {"consumer": consumer})
+def serve_steps(app: Celery, consumer: StepConsumer, running: RunningSteps) -> None:
+    """Register the step and alarm tasks of a worker process, run by ``consumer``.
+
+    ``running`` is the consumer's ``invoke``: it keeps each attempt's time limits.
+    """
+    request = type("BoundStepRequest", (StepRequest,), {"consumer": consumer, "running": running})
     alert_command = consumer.settings.alert_command
     keep_process_logging()
     follow_attempts(STEP_TASK)  # run_step's lines and Celery's about it carry the attempt's fields
@@ -188,8 +177,14 @@ def serve_steps(app: Celery, consumer: StepConsumer) -> None:
         # (CeleryPublisher sets it), a little early: the pool started the clock first.
         soft_limit = (self.request.timelimit or (None, None))[1]
         until = time.monotonic() + soft_limit - LIMIT_MARGIN if continues and soft_limit else None
+        message = StepMessage.from_payload(payload)
+        running.begin(self.request.id, message, ran_on=False)
         try:
-            consumer.handle(StepMessage.from_payload(payload), continue_until=until)
+            consumer.handle(
+                message,
+                continue_until=until,
+                on_next=lambda step: running.begin(self.request.id, step, ran_on=True),
+            )
         except StorageUnavailable as exc:
             # Nothing ran yet (the start could not be recorded). Keep the message:
             # a delayed copy goes back on the queue before this one is acknowledged.
@@ -219,12 +214,11 @@ def bound_shutdown(app: Celery, consumer: StepConsumer, grace: float) -> None:
     def give_up() -> None:
         running = list(state.active_requests)
         for request in running:
-            try:
-                message = StepMessage.from_payload(request.args[0])
-            except (IndexError, KeyError, TypeError, ValueError):
+            if not isinstance(request, StepRequest):
                 continue  # an alarm delivery: it is retried by the broker
-            with attempt_context(attempt_fields(request.args)):
-                consumer.lost(message, f"worker stopped; attempt unfinished after {grace:g}s")
+            step, _ = request.running_step()
+            with attempt_context(AttemptFields.of(step)):
+                consumer.lost(step, f"worker stopped; attempt unfinished after {grace:g}s")
         log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(running))
         os.kill(os.getpid(), signal.SIGQUIT)
 
@@ -269,7 +263,7 @@ class CeleryPublisher:
                 queue=queue_name(message.module),
                 priority=self._level(message),
                 # Limits of the delivery, which may go on with the flow's next steps: each
-                # attempt is interrupted at its own timeout (call_with_time_limit); the soft
+                # attempt has its own limits (RunningSteps.call); the soft
                 # limit is the backstop, the hard one kills the process.
                 soft_time_limit=message.timeout + self.continue_within,
                 time_limit=message.timeout + self.continue_within + self.grace,

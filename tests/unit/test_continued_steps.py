@@ -7,6 +7,8 @@ when every step goes through its queue; only the publishes are saved.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -17,11 +19,12 @@ import pytest
 from shared.config import Settings
 from shared.consumer import AttemptTimedOut
 from shared.flows import load_flows
-from shared.messaging import call_with_time_limit
+from shared.messaging.running import RunningSteps
 from shared.module import Module, StepContext
 from shared.saga import Cancel
 from shared.states import StepState, StepType, TaskStatus
 from shared.storage import InMemoryStore
+from shared.task import StepMessage
 from shared.testing import Harness
 from tests.support import testmod
 
@@ -147,12 +150,52 @@ def test_a_cancel_stored_while_a_continued_step_runs_is_not_lost() -> None:
     assert all(c != 2 for c, _, _, _ in stored_story(h, task_id))
 
 
+CTX = StepContext(task_id="t", flow="f", cursor=1, step_type=0, attempt=1, parameters={}, settings=Settings())
+
+
 def test_each_attempt_of_a_delivery_is_interrupted_at_its_own_timeout() -> None:
     """Celery's soft limit covers the whole delivery; the attempt's own timer stops it first."""
-    ctx = StepContext(task_id="t", flow="f", cursor=0, step_type=0, attempt=1, parameters={}, settings=Settings())
+    running = RunningSteps(grace=5.0)
     began = time.monotonic()
     with pytest.raises(AttemptTimedOut):
-        call_with_time_limit(lambda _: threading.Event().wait(5) and None, ctx, 0.2)
+        running.call(lambda _: threading.Event().wait(5) and None, CTX, 0.2)
     assert 0.15 < time.monotonic() - began < 1.5
-    assert call_with_time_limit(lambda _: {"ok": 1}, ctx, 0.2) == {"ok": 1}
-    time.sleep(0.3)  # the timer of the finished attempt was disarmed: nothing goes off
+    assert running.call(lambda _: {"ok": 1}, CTX, 0.2) == {"ok": 1}
+    time.sleep(0.3)  # the timers of finished attempts were disarmed: nothing goes off
+
+
+def swallow(_: StepContext) -> None:
+    while True:
+        try:
+            threading.Event().wait()
+        except BaseException:  # a handler that ignores the interrupt
+            continue
+
+
+def test_a_handler_that_ignores_the_interrupt_kills_its_process_and_says_why() -> None:
+    """The pool process kills itself at timeout + grace; its worker reads which step and why."""
+    running = RunningSteps(grace=0.3)
+    delivered = step_message(cursor=0, seq=1)
+    ran_on = step_message(cursor=1, seq=2)
+    pid = os.fork()
+    if pid == 0:  # the pool process: a delivery that ran on to step 1, whose handler hangs
+        try:
+            running.begin("delivery-1", delivered, ran_on=False)
+            running.begin("delivery-1", ran_on, ran_on=True)
+            running.call(swallow, CTX, 0.2)
+        finally:
+            os._exit(3)  # not reached: killed
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    step, killed = running.step_of("delivery-1", pid, delivered)
+    assert (step.cursor, step.seq) == (1, 2) and killed == "killed after the hard time limit of 0.5s"
+    # Another delivery of that process, or a process that left no note: the delivered step.
+    assert running.step_of("delivery-2", pid, delivered) == (delivered, None)
+    assert running.step_of("delivery-1", pid + 100_000, delivered) == (delivered, None)
+
+
+def step_message(cursor: int, seq: int) -> StepMessage:
+    return StepMessage(
+        task_id="t", flow="noop", seq=seq, cursor=cursor, type=StepType.NORMAL, attempt=1,
+        module="alpha", command="step", timeout=0.2, retry=0, parameters={"big": "x" * 100},
+    )

@@ -1,0 +1,110 @@
+"""The step each pool process of a worker runs, and the time limits of each attempt.
+
+A delivery may run the flow's next steps after the delivered one
+(:meth:`shared.consumer.StepConsumer.handle`), so Celery's time limits, set per
+delivery, cannot be an attempt's. Each attempt gets its own from a timer in the
+pool process: at its timeout the handler is interrupted; if it swallows that and
+is still running ``grace`` seconds later, its process kills itself. Celery's
+limits stay as a backstop for a handler stuck where no signal gets through.
+
+When a pool process dies, the worker's main process reports the lost attempt, but
+it knows only the message it delivered, which is stale once the delivery ran on.
+So a pool process notes the step it ran on to (and why it killed itself) in a file
+named by its pid, in a directory of its worker, and the main process reads it back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from celery.exceptions import SoftTimeLimitExceeded
+
+from shared.consumer import AttemptTimedOut
+from shared.module import Handler, PollLater, StepContext
+from shared.task import StepMessage
+
+
+class RunningSteps:
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.directory = Path(tempfile.mkdtemp(prefix="asyncflow-worker-"))
+        self._current: tuple[str, StepMessage] | None = None  # in a pool process
+        owner = os.getpid()
+
+        def remove() -> None:
+            if os.getpid() == owner:  # not in a forked pool process that exits
+                shutil.rmtree(self.directory, ignore_errors=True)
+
+        atexit.register(remove)
+
+    # --- in a pool process ---------------------------------------------------------
+
+    def begin(self, delivery: str, message: StepMessage, ran_on: bool) -> None:
+        """Delivery ``delivery`` now runs ``message``; ``ran_on``: not the delivered one."""
+        self._current = (delivery, message)
+        if ran_on:
+            self._write({})
+
+    def call(self, handler: Handler, ctx: StepContext, timeout: float) -> Mapping[str, Any] | PollLater | None:
+        """Run a handler under its attempt's time limits (the consumer's ``invoke``)."""
+        timer = threading.current_thread() is threading.main_thread()  # where Celery runs tasks
+        if timer:
+            interrupted = False
+
+            def time_is_up(signum: int, frame: object) -> None:
+                nonlocal interrupted
+                if interrupted:
+                    self._kill_self(f"killed after the hard time limit of {timeout + self.grace:g}s")
+                interrupted = True
+                signal.setitimer(signal.ITIMER_REAL, max(self.grace, 0.001))
+                raise AttemptTimedOut(f"timed out after {timeout:g}s")
+
+            previous = signal.signal(signal.SIGALRM, time_is_up)
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            return handler(ctx)
+        except SoftTimeLimitExceeded as exc:  # Celery's backstop
+            raise AttemptTimedOut(str(exc)) from exc
+        finally:
+            if timer:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+
+    def _kill_self(self, reason: str) -> None:
+        self._write({"killed": reason})
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _write(self, extra: dict[str, str]) -> None:
+        if self._current is None:
+            return
+        delivery, message = self._current
+        # The parameters stay in the database; the report needs the step only.
+        note = {"delivery": delivery, "message": replace(message, parameters={}).to_payload()} | extra
+        path = self.directory / str(os.getpid())
+        partial = path.with_suffix(".new")
+        partial.write_text(json.dumps(note))
+        os.replace(partial, path)  # a process killed mid-write leaves the previous note whole
+
+    # --- in the worker's main process ------------------------------------------------
+
+    def step_of(self, delivery: str, pid: int | None, delivered: StepMessage) -> tuple[StepMessage, str | None]:
+        """The step that pool process ``pid`` ran last for ``delivery``, and why it killed itself."""
+        if pid is None:
+            return delivered, None
+        try:
+            note = json.loads((self.directory / str(pid)).read_text())
+        except (OSError, ValueError):
+            return delivered, None  # it never ran on, nor killed itself
+        if note.get("delivery") != delivery:
+            return delivered, None  # a note of an earlier delivery of that process
+        return StepMessage.from_payload(note["message"]), note.get("killed")
