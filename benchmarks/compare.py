@@ -134,17 +134,30 @@ def cell(v: Any, width: int, digits: int = 1) -> str:
     return f"{v!s:>{width}}"
 
 
+def server_cpu_ms(r: dict[str, Any], server: str) -> float | None:
+    """CPU-ms per flow of the PostgreSQL or RabbitMQ server processes (part of 'others')."""
+    secs = (r.get("cpu_servers_s") or {}).get(server)
+    if secs is None or not r.get("succeeded"):
+        return None
+    return 1000 * secs / r["succeeded"]
+
+
 HEADER = (f"{'run':<28}{'flows/s':>9}{'p50 ms':>10}{'p95 ms':>10}{'p99 ms':>10}"
-          f"{'stack CPU':>11}{'others':>9}{'busy':>7}{'load1':>7}{'exit':>6}")
-UNITS = f"{'':<28}{'':>9}{'submit->done':>30}{'ms/flow':>11}{'CPU-s':>9}{'%':>7}{'':>7}{'':>6}"
+          f"{'stack CPU':>11}{'pg':>6}{'mq':>6}{'others':>9}{'busy':>7}{'load1':>7}{'exit':>6}")
+UNITS = (f"{'':<28}{'':>9}{'submit->done':>30}{'ms/flow':>11}{'ms/flow':>12}{'CPU-s':>9}{'%':>7}"
+         f"{'':>7}{'':>6}")
 
 
-def row(label: str, r: dict[str, Any], cpu_ms: float | None = None) -> str:
+def row(label: str, r: dict[str, Any], cpu_ms: float | None = None, pg_ms: float | None = None,
+        mq_ms: float | None = None) -> str:
     load = r.get("loadavg_at_start")
     cpu_ms = stack_cpu_ms(r) if cpu_ms is None else cpu_ms
+    pg_ms = server_cpu_ms(r, "postgresql") if pg_ms is None else pg_ms
+    mq_ms = server_cpu_ms(r, "rabbitmq") if mq_ms is None else mq_ms
     return (f"{label:<28}{cell(r.get('flows_per_s'), 9)}{cell(r.get('submit_done_p50_ms'), 10)}"
             f"{cell(r.get('submit_done_p95_ms'), 10)}{cell(r.get('submit_done_p99_ms'), 10)}"
-            f"{cell(cpu_ms, 11)}{cell(r.get('cpu_others_s'), 9, 2)}{cell(r.get('machine_busy_pct'), 7, 0)}"
+            f"{cell(cpu_ms, 11)}{cell(pg_ms, 6)}{cell(mq_ms, 6)}{cell(r.get('cpu_others_s'), 9, 2)}"
+            f"{cell(r.get('machine_busy_pct'), 7, 0)}"
             f"{cell(load[0] if load else None, 7, 2)}{cell(r.get('returncode'), 6, 0)}")
 
 
@@ -204,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} round(s), alternating")
     print("stack CPU : CPU of the stack's own process trees per flow (asyncflow: api + scheduler + worker;")
     print("            celery chain: worker; its submitter's INSERT + publish run in the script, in 'others')")
+    print("pg, mq    : CPU per flow of the PostgreSQL and RabbitMQ server processes (part of 'others')")
     print("others    : CPU-s of everything else on the machine during the run (PostgreSQL, RabbitMQ,")
     print("            the benchmark script, other users)")
     for k, results in enumerate(rounds, 1):
@@ -229,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                 for f in ("flows_per_s", "submit_done_p50_ms", "submit_done_p95_ms", "submit_done_p99_ms",
                           "cpu_others_s", "machine_busy_pct")
             }
-            print(row(labels[key], merged, median([stack_cpu_ms(x) for x in rs])))
+            print(row(labels[key], merged, median([stack_cpu_ms(x) for x in rs]),
+                      median([server_cpu_ms(x, "postgresql") for x in rs]),
+                      median([server_cpu_ms(x, "rabbitmq") for x in rs])))
 
     burst_peer, p50_peer = med(("peer", "burst"), "flows_per_s"), med(("peer", "rate"), "submit_done_p50_ms")
     burst_af, p50_af = med(("asyncflow", "burst"), "flows_per_s"), med(("asyncflow", "rate"), "submit_done_p50_ms")

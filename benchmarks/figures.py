@@ -149,6 +149,7 @@ def cpu_figures(m: Measured, per_flow_ms: dict[str, float], script: bool = False
         "by_process": m.cpu,
         "per_flow_ms": per_flow_ms,
         "others_seconds": round(m.busy - sum(m.cpu.values()), 2),
+        "servers_seconds": m.servers,
     }
     if script:
         out["script_seconds"] = round(m.script_cpu, 2)
@@ -173,6 +174,7 @@ def conclude(bench: str, args: argparse.Namespace, summary: dict[str, Any], m: M
         "submits_per_s": summary["submit"]["per_s"],
         **{f"submit_done_p{p}_ms": round(v, 2) if (v := pct(done_ms, p)) is not None else None for p in (50, 95, 99)},
         "cpu_s": c["by_process"], "cpu_per_flow_ms": c["per_flow_ms"], "cpu_others_s": c["others_seconds"],
+        "cpu_servers_s": c["servers_seconds"],
         "machine_busy_pct": c["machine_busy_pct"], "loadavg_at_start": summary["machine"]["loadavg_at_start"],
         "exit_status": status,
     }
@@ -235,6 +237,10 @@ def print_cpu(summary: dict[str, Any]) -> None:
         print(f"  {key:<10} {secs:7.2f} CPU-s  {c['per_flow_ms'][key]:6.2f} ms/flow")
     print(f"  {'others':<10} {c['others_seconds']:7.2f} CPU-s  (database/broker servers, this script, "
           f"anything else on the machine)")
+    for server, secs in c["servers_seconds"].items():
+        if secs:
+            print(f"    of which {server} server processes: {secs:.2f} CPU-s  "
+                  f"{1000 * secs / max(summary['config']['flows'], 1):.2f} ms/flow")
     if "script_seconds" in c:
         print(f"    of which this script (the submitter): {c['script_seconds']:.2f} CPU-s")
     print(f"  machine busy {c['machine_busy_pct']:.0f}%")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stack import Processes, SetupError, log, machine_cpu
+from stack import Processes, SetupError, log, machine_cpu, servers_cpu
 
 # Submits flow number i; returns (its id, seconds the submit took).
 Send = Callable[[int], tuple[str, float]]
@@ -163,13 +163,14 @@ class Measured:
     script_cpu: float  # CPU seconds of this script
     busy: float  # CPU seconds the whole machine was busy
     total: float  # CPU seconds the whole machine had
+    servers: dict[str, float]  # CPU seconds of the database and broker servers (in "others")
 
 
 def measure(args: argparse.Namespace, procs: Processes, send: Send, finished: Callable[[Submitted], bool],
             clients: str) -> Measured:
     """Submit ``args.flows`` flows in the mode ``args`` asks for and wait until ``finished``."""
     deadline = time.monotonic() + args.timeout
-    cpu0, script0, machine0 = procs.cpu(), sum(os.times()[:2]), machine_cpu()
+    cpu0, script0, machine0, servers0 = procs.cpu(), sum(os.times()[:2]), machine_cpu(), servers_cpu()
     t0 = time.perf_counter()
     if args.rate:
         log(f"submitting {args.flows} flows at {args.rate:g}/s")
@@ -180,7 +181,7 @@ def measure(args: argparse.Namespace, procs: Processes, send: Send, finished: Ca
     log(f"{len(sub.ids)} submitted in {sub.last_end - sub.first_start:.2f} s; waiting for them")
     done = wait_for(lambda: finished(sub), procs.check_alive, deadline)
     wall = time.perf_counter() - t0
-    cpu1, script1, machine1 = procs.cpu(), sum(os.times()[:2]), machine_cpu()
+    cpu1, script1, machine1, servers1 = procs.cpu(), sum(os.times()[:2]), machine_cpu(), servers_cpu()
     timed_out = not done or len(sub.ids) + len(sub.errors) < args.flows
     if timed_out:
         log(f"timed out after {args.timeout:g} s")
@@ -190,6 +191,7 @@ def measure(args: argparse.Namespace, procs: Processes, send: Send, finished: Ca
         cpu={k: round(cpu1[k] - cpu0[k], 2) for k in cpu0},
         script_cpu=script1 - script0,
         busy=machine1[0] - machine0[0], total=machine1[1] - machine0[1],
+        servers={k: round(servers1[k] - servers0[k], 2) for k in servers0},
     )
 
 

@@ -48,14 +48,14 @@ class Settings(BaseSettings):
     requeue_after: float = 30.0
     expire_grace: float = 15.0
     publish_retry: float = 2.0
-    # Above 0: one commit records an attempt's start and its outcome together, and
+    # 0 (default): a consumer records each attempt's start, then its outcome (two
+    # commits per step). Above 0: one commit records the start and outcome together, and
     # an attempt still running after this many seconds also has its start recorded
     # on its own (the task shows it running; it expires at its deadline or when its
     # heartbeats stop, instead of being published again). The price: cancelling a
     # task whose step is queued completes only once that step is known not to run,
-    # up to record_start_after + expire_grace seconds later. 0: a consumer records
-    # each attempt's start, then its outcome (two commits per step).
-    record_start_after: float = Field(default=1.0, ge=0)
+    # up to record_start_after + expire_grace seconds later.
+    record_start_after: float = Field(default=0.0, ge=0)
     # A worker runs the next step of a flow itself, at once and without its queue,
     # when it serves that step's module and the step's timeout ends within what is
     # left of the delivery it took: a message may run for its step's timeout plus

@@ -4,11 +4,11 @@ there: the step must be recovered from what the database holds, as a published o
 One worker serves both modules of the ``short`` flow, so step 1 runs in the delivery of
 step 0. Its handler does the work and then SIGKILLs the worker and itself, before the
 outcome is stored:
-- one commit per step (the default): nothing of step 1 was stored but its message,
+- one commit per step (``ASYNCFLOW_RECORD_START_AFTER=1``): nothing of step 1 was stored but its message,
   inside step 0's outcome, and no broker holds it. This is the state a kill between
   step 0's commit and a publish leaves. The requeue sweep publishes it; the same
   attempt runs again;
-- recording starts (``ASYNCFLOW_RECORD_START_AFTER=0``): the start of step 1 was
+- recording starts (the default): the start of step 1 was
   committed, so the attempt is lost and runs again as attempt 2.
 """
 
@@ -32,7 +32,7 @@ TIMING = {
     "ASYNCFLOW_EXPIRE_GRACE": "2",
     "ASYNCFLOW_HEARTBEAT_INTERVAL": "1",
 }
-MODES = {"one-commit": {}, "records-starts": {"ASYNCFLOW_RECORD_START_AFTER": "0"}}
+MODES = {"records-starts": {}, "one-commit": {"ASYNCFLOW_RECORD_START_AFTER": "1"}}
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -63,7 +63,7 @@ def test_worker_killed_in_a_step_it_continued_to_is_recovered(one_worker: Stack,
     assert doc["task_status"] == 0, doc
     runs = [(e["cursor"], e["attempt"]) for e in one_worker.executions(task["task_id"])]
     attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
-    if one_worker.env.get("ASYNCFLOW_RECORD_START_AFTER") != "0":
+    if one_worker.env.get("ASYNCFLOW_RECORD_START_AFTER"):
         assert runs == [(0, 1), (1, 1), (1, 1)]  # the same attempt again: its key is the same
         assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")]
     else:

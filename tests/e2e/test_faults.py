@@ -34,13 +34,12 @@ TIMING = {
 BETA = "worker-beta+monitor"
 
 
-# The last stack commits each attempt's start on its own, before the handler runs,
-# instead of with its outcome (the default: one commit per quick step).
-RECORDS_STARTS = {"ASYNCFLOW_RECORD_START_AFTER": "0"}
+# The last stack records a quick step's start with its outcome (one commit per step).
+ONE_COMMIT = {"ASYNCFLOW_RECORD_START_AFTER": "1"}
 STACKS = {
     "embedded": ("embedded", {}),
     "postgres-rabbitmq": ("postgres-rabbitmq", {}),
-    "postgres-rabbitmq-records-starts": ("postgres-rabbitmq", RECORDS_STARTS),
+    "postgres-rabbitmq-one-commit": ("postgres-rabbitmq", ONE_COMMIT),
 }
 
 
@@ -116,7 +115,7 @@ def test_worker_killed_between_the_handlers_end_and_the_commit_runs_the_step_aga
     doc = faulty.wait_stopped(task["task_id"], timeout=60)
     assert doc["task_status"] == 0, doc
     attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
-    if faulty.env.get("ASYNCFLOW_RECORD_START_AFTER") != "0":
+    if faulty.env.get("ASYNCFLOW_RECORD_START_AFTER"):
         # Its start was never recorded and its message never acknowledged: the broker
         # delivered it again, the same attempt ran again (same idempotency key), and
         # only the second run was recorded.
