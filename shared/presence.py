@@ -71,6 +71,8 @@ def attempts_in_flight() -> list[dict[str, Any]]:
         payload = args[0] if isinstance(args[0], Mapping) else {}
         if "task_id" not in payload:
             continue  # an alarm delivery
+        if hasattr(request, "running_step"):  # the delivery may have run on to a later step
+            payload = request.running_step()[0].to_payload()
         running.append(
             {
                 "task_id": payload["task_id"],
