@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,9 +88,8 @@ def machine_info() -> dict[str, Any]:
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _session_cpu(sid: int) -> float:
-    """CPU seconds (user+system, incl. reaped children) of every process in session ``sid``."""
-    total = 0
+def _proc_stats() -> Iterator[tuple[str, list[str]]]:
+    """(process name, the /proc/<pid>/stat fields after it) of every live process."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -98,12 +97,14 @@ def _session_cpu(sid: int) -> float:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        # fields[0] is state (field 3); session is field 6; utime..cstime are fields 14..17.
-        if int(fields[3]) != sid:
-            continue
-        total += sum(int(x) for x in fields[11:15])
-    return total / CLK_TCK
+        yield stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+
+
+def _session_cpu(sid: int) -> float:
+    """CPU seconds (user+system, incl. reaped children) of every process in session ``sid``."""
+    # fields[0] is state (field 3); session is field 6; utime..cstime are fields 14..17.
+    ticks = sum(sum(int(x) for x in fields[11:15]) for _, fields in _proc_stats() if int(fields[3]) == sid)
+    return ticks / CLK_TCK
 
 
 # The servers a run talks to, by process name: their share of "others".
@@ -117,17 +118,9 @@ def servers_cpu() -> dict[str, float]:
     database connection's backend): a lower bound.
     """
     total = dict.fromkeys(SERVERS.values(), 0.0)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        name = SERVERS.get(stat[stat.index("(") + 1:stat.rindex(")")])
-        if name is not None:
-            fields = stat[stat.rindex(")") + 2:].split()
-            total[name] += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    for name, fields in _proc_stats():
+        if name in SERVERS:
+            total[SERVERS[name]] += (int(fields[11]) + int(fields[12])) / CLK_TCK
     return total
 
 
