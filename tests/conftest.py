@@ -38,6 +38,12 @@ def require_service(name: str, problem: str | None) -> None:
     pytest.skip(message)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.e2e.conftest import close_vhosts
+
+    close_vhosts()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Fault tests stop shared services (RabbitMQ, PostgreSQL): run them last."""
     items.sort(key=lambda item: item.get_closest_marker("faults") is not None)

@@ -7,7 +7,8 @@ import random
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -34,24 +35,76 @@ class PostgresDatabase:
             admin.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
 
 
+class _Vhosts:
+    """Fresh RabbitMQ vhosts, so runs on one machine never share queues.
+
+    rabbitmqctl boots an Erlang VM per call (about a second): the next vhost is
+    made, and used ones deleted, on a thread of their own while tests run.
+    """
+
+    def __init__(self, ctl: str) -> None:
+        self.ctl = ctl
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="vhosts")
+        self.ready: Future[str] | None = None
+        self.deleting: list[Future[None]] = []
+
+    def take(self) -> str:
+        ready, self.ready = self.ready, self.thread.submit(self._add)
+        try:
+            return ready.result() if ready is not None else self._add()
+        except (OSError, subprocess.SubprocessError):  # made while RabbitMQ was restarting
+            return self._add()
+
+    def drop(self, vhost: str) -> None:
+        self.deleting.append(self.thread.submit(self._delete, vhost))
+
+    def close(self) -> None:
+        if self.ready is not None:
+            with suppress(OSError, subprocess.SubprocessError):
+                self.drop(self.ready.result())
+        for deleting in self.deleting:
+            with suppress(OSError, subprocess.SubprocessError):
+                deleting.result()
+        self.thread.shutdown()
+
+    def _add(self) -> str:
+        vhost = unique("af_e2e")
+        self._ctl("add_vhost", vhost)
+        self._ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        return vhost
+
+    def _delete(self, vhost: str) -> None:
+        self._ctl("delete_vhost", vhost)
+
+    def _ctl(self, *args: str) -> None:
+        subprocess.run([self.ctl, *args], check=True, capture_output=True, timeout=60)
+
+
+_vhosts: _Vhosts | None = None
+
+
 def _rabbitmq_url() -> tuple[str, str | None]:
     """A fresh vhost when rabbitmqctl is at hand, so parallel runs don't share queues."""
+    global _vhosts
     require_service("RabbitMQ", unreachable(5672))
     ctl = shutil.which("rabbitmqctl")
     if ctl is None:
         return "amqp://guest:guest@127.0.0.1:5672//", None
-    vhost = unique("af_e2e")
-    subprocess.run([ctl, "add_vhost", vhost], check=True, capture_output=True, timeout=60)
-    subprocess.run(
-        [ctl, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"],
-        check=True, capture_output=True, timeout=60,
-    )
+    if _vhosts is None:
+        _vhosts = _Vhosts(ctl)
+    vhost = _vhosts.take()
     return f"amqp://guest:guest@127.0.0.1:5672/{vhost}", vhost
 
 
 def _drop_vhost(vhost: str | None) -> None:
-    if vhost:
-        subprocess.run(["rabbitmqctl", "delete_vhost", vhost], capture_output=True, timeout=60)
+    if vhost and _vhosts is not None:
+        _vhosts.drop(vhost)
+
+
+def close_vhosts() -> None:
+    """Delete the vhost made ahead and wait for the deletions (end of the session)."""
+    if _vhosts is not None:
+        _vhosts.close()
 
 
 @contextmanager

@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from shared.config import Settings
+from shared.migrate import upgrade
 from shared.states import STOPPED
 from shared.testing import wait_for
 
@@ -60,7 +62,8 @@ class Stack:
             self.spawn("up", "up", "--port", str(self.port))
             wait_for(self._healthy, 60, f"{self.name} API to answer /healthz")
             return
-        self.run_cli("db", "upgrade")
+        # Migrated from here: `asyncflow db upgrade` would cost an interpreter and its imports.
+        upgrade(Settings(home=self.home, database_url=self.env.get("ASYNCFLOW_DATABASE_URL")).resolved_database_url())
         self.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
         self.spawn("api", "api", "--port", str(self.port))
         self.spawn("scheduler", "scheduler")
