@@ -24,7 +24,7 @@ from shared.logs import AttemptFields, attempt_context
 from shared.module import Handler, Module, ModuleError, PermanentError, PollLater, StepContext
 from shared.saga import Decision, Failed, Heartbeat, Started, Succeeded, stale
 from shared.saga import PollLater as PollLaterEvent
-from shared.service import TaskNotFound, TaskService
+from shared.service import TaskNotFound, TaskService, run_on
 from shared.states import Phase, StepType
 from shared.storage import StorageUnavailable, patiently
 from shared.task import Alarm, StepMessage, Task
@@ -131,19 +131,20 @@ class StepConsumer:
     ) -> None:
         """Run one attempt, then the flow's next steps this worker serves while they fit.
 
-        Each attempt: one read, the handler, one commit of its start and outcome
-        together. The start gets a commit of its own only if the attempt outlives
-        ``settings.record_start_after``: from then on the scheduler expires it at
-        its deadline instead of publishing the message again, and the task shows
-        it running.
+        A delivered attempt costs a read, the write of its start and the write of
+        its outcome. With ``settings.record_start_after`` > 0 the start is written
+        with the outcome instead, unless the attempt outlives that threshold: from
+        then on the scheduler expires it at its deadline instead of publishing the
+        message again, and the task shows it running.
 
         A next step whose module this worker serves, and whose timeout ends
         before ``continue_until`` (on ``clock``), runs here at once instead of
-        going through its queue. Its message is committed with the outcome as
-        always, so if this process dies the sweeps publish or expire it as they
-        would a published one; what is saved is the publish, the delivery and
-        the read. None: every next step is published. ``on_next`` hears of each
-        step run on to, before it starts (who reports the process lost must know).
+        going through its queue: its start is stored in the write of the outcome
+        before it, so the task shows it running, and if this process dies its
+        missed heartbeats fail it as any running attempt. What is saved is a
+        publish, a delivery, a read and a commit per step. None: every next step
+        is published. ``on_next`` hears of each step run on to, before it starts
+        (who reports the process lost must know).
         """
         step: tuple[StepMessage, Task | None] | None = (message, None)
         while step is not None:
@@ -162,48 +163,52 @@ class StepConsumer:
         """
         log_extra = {"task_id": message.task_id, "step": message.cursor, "seq": message.seq}
         metrics.observe_queue_wait(message.module, message.sent_at)
-        try:
-            task = known if known is not None else self.service.get(message.task_id)
-        except TaskNotFound:
-            log.warning("step message for an unknown task dropped", extra=log_extra)
-            return None
-        reason = stale(task, Started(message.seq), self.service.clock())
-        if reason is None and self.settings.record_start_after <= 0:
-            start = Started(message.seq, heartbeats=True)
-            decision = self.service.apply(message.task_id, start, known=task, worker=worker_name())
-            reason, task = decision.ignored, decision.task  # ignored: another delivery started it first
-        if reason:
-            metrics.STALE.labels(message.module).inc()
-            log.info("stale step message ignored: %s", reason, extra=log_extra)
-            return None
+        start_after: float | None = None  # the start is recorded already
+        if known is not None:
+            task = known  # its start was stored with the outcome of the step before
+        else:
+            try:
+                task = self.service.get(message.task_id)
+            except TaskNotFound:
+                log.warning("step message for an unknown task dropped", extra=log_extra)
+                return None
+            reason = stale(task, Started(message.seq), self.service.clock())
+            if reason is None and self.settings.record_start_after <= 0:
+                start = Started(message.seq, heartbeats=True)
+                decision = self.service.apply(message.task_id, start, known=task, worker=worker_name())
+                reason, task = decision.ignored, decision.task  # ignored: another delivery started it first
+            elif reason is None:
+                start_after = self.settings.record_start_after
+            if reason:
+                metrics.STALE.labels(message.module).inc()
+                log.info("stale step message ignored: %s", reason, extra=log_extra)
+                return None
         assert task.active is not None
         if task.cancel_requested and message.type is StepType.NORMAL and task.active.phase is Phase.QUEUED:
             # Cancelled before it started: the requeue sweep compensates what ran before it.
             log.info("step not started: its task is being cancelled", extra=log_extra)
             return None
         started_at = self.service.clock()
-        start_after = self.settings.record_start_after
-        pulse = Pulse(self.service, message, start_after if start_after > 0 else None, self.settings.heartbeat_interval)
+        pulse = Pulse(self.service, message, start_after, self.settings.heartbeat_interval)
         pulse.start()
         try:
             event = self._attempt(message, task, pulse.report)
         finally:
             pulse.stop()
-        following: list[StepMessage] = []
 
         def runs_here(next_message: StepMessage) -> bool:
-            if following or continue_until is None or next_message.module not in self.modules:
-                return False
-            if self.clock() + next_message.timeout > continue_until:
-                return False
-            following.append(replace(next_message, sent_at=time.time()))
-            return True
+            return (
+                continue_until is not None
+                and next_message.module in self.modules
+                and self.clock() + next_message.timeout <= continue_until
+            )
 
         stored = self._store_outcome(message, replace(event, started_at=started_at), task, runs_here)
-        if stored is None or not following:
+        following = run_on(stored) if stored is not None else None
+        if stored is None or following is None:
             return None
-        metrics.CONTINUED.labels(following[0].module).inc()
-        return following[0], stored.task
+        metrics.CONTINUED.labels(following.module).inc()
+        return replace(following, sent_at=time.time()), stored.task
 
     def _attempt(
         self, message: StepMessage, task: Task, progress_sink: Callable[[Mapping[str, Any]], None] | None = None

@@ -160,24 +160,42 @@ class TaskService:
         ``known`` is a copy the caller just stored (a consumer between the start
         and the outcome of an attempt): it saves a read, and if it is out of date
         the compare-and-set fails and the task is read again. ``worker`` names the
-        process reporting a step event, for the attempt log. A message of the
-        decision for which ``keep`` answers True is not published: the caller
-        delivers it itself (a consumer running the next step at once).
+        process reporting a step event, for the attempt log.
+
+        ``keep`` lets the caller run a message of the decision itself (a consumer
+        running the next step at once): the first one it answers True for is not
+        published, and its start is stored with this transition, in the same
+        write, so the task shows it running from the moment it is committed.
+        :func:`run_on` finds it in the returned decision.
         """
         now = self.clock()
+        carried: list[AttemptRecord] = []  # the start of the message ``keep`` took, if it took one
+
+        def decided(task: Task) -> Decision:
+            carried.clear()
+            decision = decide(task, event, now, self.timing)
+            kept = next((m for m in decision.messages if keep is not None and keep(m)), None)
+            if decision.ignored or kept is None:
+                return decision
+            start = Started(kept.seq, heartbeats=True)
+            record = _attempt_record(decision.task, start, now, self.timing, worker)
+            assert record is not None, "a start always has an attempt record"
+            carried.append(record)
+            return replace(decision, task=decide(decision.task, start, now, self.timing).task)
 
         def write(task: Task, decision: Decision) -> bool | None:
             if decision.ignored or decision.task is task:
                 return None
-            return self.store.save(decision.task, now, _attempt_record(task, event, now, self.timing, worker))
+            attempt = _attempt_record(task, event, now, self.timing, worker)
+            return self.store.save(decision.task, now, attempt, next_attempt=carried[0] if carried else None)
 
         before, decision = compare_and_set(
             f"task {task_id}",
             lambda: self.get(task_id),
-            lambda task: decide(task, event, now, self.timing),
+            decided,
             write,
             known=known,
-            effects=lambda before, decision: self._after(before, decision, keep),
+            effects=self._after,
         )
         if decision.ignored or decision.task is before:
             return decision
@@ -186,7 +204,7 @@ class TaskService:
         # What is stored now, version included, for the caller's next ``known``.
         return replace(decision, task=replace(decision.task, version=before.version + 1))
 
-    def _after(self, before: Task, decision: Decision, keep: Callable[[StepMessage], bool] | None = None) -> None:
+    def _after(self, before: Task, decision: Decision) -> None:
         task = decision.task
         if task.status is not before.status and task.status.is_terminal:
             metrics.FINISHED.labels(task.flow, task.status.label).inc()
@@ -194,15 +212,16 @@ class TaskService:
                 "task finished",
                 extra={"task_id": task.task_id, "flow": task.flow, "status": task.status.label},
             )
-        self._publish(decision, keep)
+        self._publish(decision)
 
-    def _publish(self, decision: Decision, keep: Callable[[StepMessage], bool] | None = None) -> None:
+    def _publish(self, decision: Decision) -> None:
+        carried = run_on(decision)
         for message in decision.messages:
             if message.type is StepType.ROLLBACK and message.attempt == 1:
                 metrics.ROLLBACKS.labels(message.flow, message.module).inc()
             if message.attempt > 1:
                 metrics.RETRIES.labels(message.module, message.command).inc()
-            if keep is not None and keep(message):
+            if message is carried:
                 continue
             try:
                 self.publisher.publish(message)
@@ -294,6 +313,14 @@ class TaskService:
     def events(self, task_id: str) -> builtins.list[TaskEvent]:
         """The task's history: operators' cancels, retries and resumes, oldest first."""
         return self.store.events(task_id)
+
+
+def run_on(decision: Decision) -> StepMessage | None:
+    """The message of ``decision`` whose start was stored with it: the caller runs it (see ``keep``)."""
+    active = decision.task.active
+    if active is None or active.phase is not Phase.RUNNING:
+        return None
+    return next((m for m in decision.messages if m.seq == active.seq), None)
 
 
 def _attempt_record(

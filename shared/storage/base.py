@@ -198,14 +198,21 @@ class TaskStore(abc.ABC):
 
     @abc.abstractmethod
     def save(
-        self, task: Task, now: float, attempt: AttemptRecord | None = None, event: TaskEvent | None = None
+        self,
+        task: Task,
+        now: float,
+        attempt: AttemptRecord | None = None,
+        event: TaskEvent | None = None,
+        next_attempt: AttemptRecord | None = None,
     ) -> bool:
         """Store ``task`` if the stored version still equals ``task.version``.
 
         Returns False when another transition got there first (nothing written).
         ``attempt`` is written in the same transaction, as its ``write`` says:
         inserted, or its outcome or heartbeat updating the attempt already stored.
-        ``event`` (an operator's action) is appended to the task's history in it too.
+        ``next_attempt``, the start of the step the same worker runs next, is
+        inserted in it too, and ``event`` (an operator's action) is appended to
+        the task's history.
         """
 
     @abc.abstractmethod

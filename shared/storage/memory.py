@@ -61,7 +61,12 @@ class InMemoryStore(TaskStore):
         return self._tasks.get(task_id)
 
     def save(
-        self, task: Task, now: float, attempt: AttemptRecord | None = None, event: TaskEvent | None = None
+        self,
+        task: Task,
+        now: float,
+        attempt: AttemptRecord | None = None,
+        event: TaskEvent | None = None,
+        next_attempt: AttemptRecord | None = None,
     ) -> bool:
         with self._lock:
             stored = self._tasks.get(task.task_id)
@@ -70,19 +75,23 @@ class InMemoryStore(TaskStore):
             self._tasks[task.task_id] = replace(task, version=task.version + 1)
             if event is not None:
                 self._events.setdefault(event.task_id, []).append(event)
-            if attempt is not None:
-                key = (attempt.task_id, attempt.seq)
-                previous = self._attempts.get(key)
-                if previous is not None and attempt.write == "outcome":
-                    attempt = replace(
-                        previous, ended_at=attempt.ended_at, outcome=attempt.outcome,
-                        error=attempt.error, result=attempt.result,
-                    )
-                elif previous is not None and attempt.write == "heartbeat":
-                    attempt = replace(previous, heartbeat_at=attempt.heartbeat_at, progress=attempt.progress)
-                if previous is not None or attempt.write == "insert":
-                    self._attempts[key] = attempt
+            for record in (attempt, next_attempt):
+                if record is not None:
+                    self._write_attempt(record)
             return True
+
+    def _write_attempt(self, attempt: AttemptRecord) -> None:
+        key = (attempt.task_id, attempt.seq)
+        previous = self._attempts.get(key)
+        if previous is not None and attempt.write == "outcome":
+            attempt = replace(
+                previous, ended_at=attempt.ended_at, outcome=attempt.outcome,
+                error=attempt.error, result=attempt.result,
+            )
+        elif previous is not None and attempt.write == "heartbeat":
+            attempt = replace(previous, heartbeat_at=attempt.heartbeat_at, progress=attempt.progress)
+        if previous is not None or attempt.write == "insert":
+            self._attempts[key] = attempt
 
     def list(self, where: TaskFilter) -> list[Task]:
         found = [

@@ -53,6 +53,7 @@ from shared.storage.statements import (
     CREATE_TASK,
     GET_TASK,
     INSERT_ATTEMPT,
+    NEXT_ATTEMPT_PREFIX,
     SAVE_IN_ONE_STATEMENT,
     SAVE_TASK,
     SAVED_COLUMNS,
@@ -126,15 +127,21 @@ class SqlStore(TaskStore):
         return task_from_row(row) if row is not None else None
 
     def save(
-        self, task: Task, now: float, attempt: AttemptRecord | None = None, event: TaskEvent | None = None
+        self,
+        task: Task,
+        now: float,
+        attempt: AttemptRecord | None = None,
+        event: TaskEvent | None = None,
+        next_attempt: AttemptRecord | None = None,
     ) -> bool:
         with self.transaction() as conn:
             if conn.execute(SAVE_TASK, _saved(task, now)).rowcount != 1:
                 return False
-            if attempt is not None:
-                kind = attempt.write
-                statement = INSERT_ATTEMPT if kind == "insert" else UPDATE_ATTEMPT[kind]
-                conn.execute(statement, _attempt_params(attempt))
+            for record in (attempt, next_attempt):
+                if record is not None:
+                    kind = record.write
+                    statement = INSERT_ATTEMPT if kind == "insert" else UPDATE_ATTEMPT[kind]
+                    conn.execute(statement, _attempt_params(record))
             if event is not None:
                 conn.execute(
                     insert(task_events).values(
@@ -325,8 +332,8 @@ def _saved(task: Task, now: float) -> dict[str, Any]:
     return params
 
 
-def _attempt_params(a: AttemptRecord) -> dict[str, Any]:
-    return {"a_" + name: value for name, value in _attempt_row(a).items()}
+def _attempt_params(a: AttemptRecord, prefix: str = "a_") -> dict[str, Any]:
+    return {prefix + name: value for name, value in _attempt_row(a).items()}
 
 
 def _attempt_row(a: AttemptRecord) -> dict[str, Any]:
@@ -376,16 +383,24 @@ class PostgresStore(SqlStore):
         return engine
 
     def save(
-        self, task: Task, now: float, attempt: AttemptRecord | None = None, event: TaskEvent | None = None
+        self,
+        task: Task,
+        now: float,
+        attempt: AttemptRecord | None = None,
+        event: TaskEvent | None = None,
+        next_attempt: AttemptRecord | None = None,
     ) -> bool:
         if event is not None:
             # An operator's action, rare: the history row makes it two statements, in one transaction.
-            return super().save(task, now, attempt, event)
+            return super().save(task, now, attempt, event, next_attempt)
         params = _saved(task, now)
         kind = "none"
         if attempt is not None:
             kind = attempt.write
             params |= _attempt_params(attempt)
+        if next_attempt is not None:
+            kind += "+next"
+            params |= _attempt_params(next_attempt, NEXT_ATTEMPT_PREFIX)
         with self.transaction(autocommit=True) as conn:  # one statement: atomic on its own
             return bool(conn.execute(SAVE_IN_ONE_STATEMENT[kind], params).scalar_one() == 1)
 

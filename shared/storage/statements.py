@@ -4,7 +4,8 @@ Building a SQLAlchemy statement (``update(...).where(...).values(...)``) and
 computing its cache key costs more CPU than running it; the hot paths (read a
 task, store a transition, record an attempt) execute these with a dict of
 parameters instead. Parameters of the WHERE clauses are prefixed ``b_``, those
-of attempt rows ``a_``: plain column names are SQLAlchemy's for SET and VALUES.
+of attempt rows ``a_`` (``n_`` for the start of the next attempt stored with a
+transition): plain column names are SQLAlchemy's for SET and VALUES.
 """
 
 from __future__ import annotations
@@ -49,19 +50,25 @@ UPDATE_ATTEMPT = {
 }
 
 
-def _save_in_one_statement() -> dict[str, Any]:
-    """PostgreSQL: the transition and its attempt write as one statement.
+NEXT_ATTEMPT_PREFIX = "n_"
 
-    The attempt write is a data-modifying CTE reading the updated task row, so it
-    runs only if the compare-and-set matched; the statement returns 1 or 0.
+
+def _save_in_one_statement() -> dict[str, Any]:
+    """PostgreSQL: the transition and its attempt writes as one statement.
+
+    Each attempt write is a data-modifying CTE reading the updated task row, so it
+    runs only if the compare-and-set matched; the statement returns 1 or 0. Keys
+    are AttemptRecord.write ("none" without one), plus "+next" when the start of
+    the next attempt is inserted too.
     """
     changed = SAVE_TASK.returning(tasks.c.task_id).cte("changed")
     counted = select(func.count()).select_from(changed)
-    new_attempt = insert(attempts).from_select(
-        list(ATTEMPT_COLUMNS),
-        select(*(bindparam("a_" + c.name, type_=c.type) for c in attempts.columns)).select_from(changed),
-    )
-    statements = {"none": counted, "insert": counted.add_cte(new_attempt.cte("attempt"))}
+
+    def inserted(prefix: str, name: str) -> Any:
+        values = select(*(bindparam(prefix + c.name, type_=c.type) for c in attempts.columns)).select_from(changed)
+        return insert(attempts).from_select(list(ATTEMPT_COLUMNS), values).cte(name)
+
+    statements = {"none": counted, "insert": counted.add_cte(inserted("a_", "attempt"))}
     for kind, values in _UPDATES.items():
         change = (
             update(attempts)
@@ -69,6 +76,8 @@ def _save_in_one_statement() -> dict[str, Any]:
             .values(values)
         )
         statements[kind] = counted.add_cte(change.cte("attempt"))
+    for kind in list(statements):
+        statements[kind + "+next"] = statements[kind].add_cte(inserted(NEXT_ATTEMPT_PREFIX, "next_attempt"))
     return statements
 
 

@@ -3,13 +3,9 @@ there: the step must be recovered from what the database holds, as a published o
 
 One worker serves both modules of the ``short`` flow, so step 1 runs in the delivery of
 step 0. Its handler does the work and then SIGKILLs the worker and itself, before the
-outcome is stored:
-- one commit per step (``ASYNCFLOW_RECORD_START_AFTER=1``): nothing of step 1 was stored but its message,
-  inside step 0's outcome, and no broker holds it. This is the state a kill between
-  step 0's commit and a publish leaves. The requeue sweep publishes it; the same
-  attempt runs again;
-- recording starts (the default): the start of step 1 was
-  committed, so the attempt is lost and runs again as attempt 2.
+outcome is stored. The start of step 1 was stored with step 0's outcome (in every mode:
+the task shows a step run on to as running), so the attempt misses its heartbeats,
+expires, and runs again as attempt 2.
 """
 
 from __future__ import annotations
@@ -32,13 +28,12 @@ TIMING = {
     "ASYNCFLOW_EXPIRE_GRACE": "2",
     "ASYNCFLOW_HEARTBEAT_INTERVAL": "1",
 }
-MODES = {"records-starts": {}, "one-commit": {"ASYNCFLOW_RECORD_START_AFTER": "1"}}
 
 
-@pytest.fixture(scope="module", params=list(MODES))
-def one_worker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    home = tmp_path_factory.mktemp("continued-" + request.param)
-    with open_stack("postgres-rabbitmq", home, TIMING | MODES[request.param], [["alpha", "beta"]]) as stack:
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = tmp_path_factory.mktemp("continued")
+    with open_stack("postgres-rabbitmq", home, TIMING, [["alpha", "beta"]]) as stack:
         yield stack
 
 
@@ -63,9 +58,5 @@ def test_worker_killed_in_a_step_it_continued_to_is_recovered(one_worker: Stack,
     assert doc["task_status"] == 0, doc
     runs = [(e["cursor"], e["attempt"]) for e in one_worker.executions(task["task_id"])]
     attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
-    if one_worker.env.get("ASYNCFLOW_RECORD_START_AFTER"):
-        assert runs == [(0, 1), (1, 1), (1, 1)]  # the same attempt again: its key is the same
-        assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")]
-    else:
-        assert runs == [(0, 1), (1, 1), (1, 2)]
-        assert attempts == [(0, 1, "succeeded"), (1, 1, "expired"), (1, 2, "succeeded")]
+    assert runs == [(0, 1), (1, 1), (1, 2)]
+    assert attempts == [(0, 1, "succeeded"), (1, 1, "expired"), (1, 2, "succeeded")]

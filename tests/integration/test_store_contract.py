@@ -229,6 +229,20 @@ class TestTaskStoreContract:
         assert store.save(replace(task, message="stale"), NOW + 3, update_of_stale) is False
         assert store.attempts(task.task_id) == [whole]
 
+    def test_an_outcome_and_the_next_start_are_written_together_or_not_at_all(self, store: TaskStore) -> None:
+        task, _ = store.create(submitted(), NOW)
+        first = AttemptRecord(task.task_id, 1, 0, StepType.NORMAL, 1, "m", "c", started_at=NOW + 1, worker="h:1")
+        assert store.save(replace(task, status=TaskStatus.RUNNING), NOW + 1, first)
+        task = store.get(task.task_id)
+        assert task is not None
+        ended = AttemptRecord(task.task_id, 1, 0, StepType.NORMAL, 1, "m", "c", ended_at=NOW + 2, outcome="succeeded")
+        following = AttemptRecord(task.task_id, 2, 1, StepType.NORMAL, 1, "n", "d", started_at=NOW + 2, worker="h:1")
+        # A lost compare-and-set writes neither.
+        assert store.save(replace(task, version=task.version - 1), NOW + 2, ended, next_attempt=following) is False
+        assert store.attempts(task.task_id) == [first]
+        assert store.save(replace(task, cursor=1), NOW + 2, ended, next_attempt=following)
+        assert store.attempts(task.task_id) == [replace(first, ended_at=NOW + 2, outcome="succeeded"), following]
+
     def test_heartbeats_update_the_started_attempt_and_keep_its_worker(self, store: TaskStore) -> None:
         task, _ = store.create(submitted(), NOW)
         kind = dict(task_id=task.task_id, seq=1, cursor=0, type=StepType.NORMAL, attempt=1, module="m", command="c")

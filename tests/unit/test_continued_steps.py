@@ -22,7 +22,7 @@ from shared.flows import load_flows
 from shared.messaging.running import RunningSteps
 from shared.module import Module, StepContext
 from shared.saga import Cancel
-from shared.states import StepState, StepType, TaskStatus
+from shared.states import Phase, StepState, StepType, TaskStatus
 from shared.storage import InMemoryStore
 from shared.task import StepMessage
 from shared.testing import Harness
@@ -69,6 +69,38 @@ def test_one_delivery_runs_every_step_its_worker_serves_and_stores_what_the_queu
     assert len(queued.delivered) == 3
     assert stored_story(here, task_id) == stored_story(queued, other.task_id)
     assert [s.state for s in here.service.get(task_id).steps] == [StepState.SUCCEEDED] * 3
+
+
+@pytest.mark.parametrize("record_start_after", [0.0, 1.0])
+def test_a_step_run_on_to_is_running_from_the_write_of_the_outcome_before_it(record_start_after: float) -> None:
+    """No write of its own for its start: the outcome before it carries it, in one save."""
+    beta = Module("beta")
+    h = harness({"alpha": testmod.alpha, "beta": beta}, record_start_after=record_start_after)
+    seen: list[Any] = []
+
+    @beta.command("step")
+    def step(ctx: StepContext) -> None:
+        task = h.service.get(ctx.task_id)
+        assert task.active is not None
+        seen.append((task.active.cursor, task.active.phase))
+        seen.append([(a.cursor, a.started_at is not None, a.outcome) for a in h.service.attempts(ctx.task_id)])
+
+    saves: list[bool] = []
+    save = h.service.store.save
+
+    def counted(*args: Any, **kwargs: Any) -> bool:
+        saves.append(kwargs.get("next_attempt") is not None)
+        return save(*args, **kwargs)
+
+    h.service.store.save = counted  # type: ignore[method-assign]
+    task_id = deliver_first(h, "noop", {})
+
+    assert h.service.get(task_id).status is TaskStatus.SUCCESS
+    assert seen == [(1, Phase.RUNNING), [(0, True, "succeeded"), (1, True, None)]]
+    # Step 0's start (unless deferred), then each outcome, the first two carrying the next start.
+    assert saves == [False] * (record_start_after == 0) + [True, True, False]
+    workers = {a.worker for a in h.service.attempts(task_id)}
+    assert len(workers) == 1 and None not in workers
 
 
 def test_a_step_of_a_module_the_worker_does_not_serve_goes_to_its_queue() -> None:

@@ -109,9 +109,14 @@ class CountingStore(InMemoryStore):
         self.commits: list[AttemptRecord | None] = []
 
     def save(
-        self, task: Task, now: float, attempt: AttemptRecord | None = None, event: TaskEvent | None = None
+        self,
+        task: Task,
+        now: float,
+        attempt: AttemptRecord | None = None,
+        event: TaskEvent | None = None,
+        next_attempt: AttemptRecord | None = None,
     ) -> bool:
-        saved = super().save(task, now, attempt, event)
+        saved = super().save(task, now, attempt, event, next_attempt)
         if saved:
             self.commits.append(attempt)
         return saved
