@@ -118,8 +118,10 @@ def test_worker_killed_between_the_handlers_end_and_the_commit_runs_the_step_aga
     if faulty.env.get("ASYNCFLOW_RECORD_START_AFTER"):
         # Its start was never recorded and its message never acknowledged: the broker
         # delivered it again, the same attempt ran again (same idempotency key), and
-        # only the second run was recorded.
-        assert runs_of(faulty, task["task_id"]) == [(0, 0, 1), (1, 0, 1), (1, 0, 1)]
+        # only one run was recorded. A copy the requeue sweep published while the
+        # worker restarted (REQUEUE_AFTER is 2 s here) may have run as well.
+        runs = runs_of(faulty, task["task_id"])
+        assert runs[0] == (0, 0, 1) and len(runs) >= 3 and set(runs[1:]) == {(1, 0, 1)}, runs
         assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")]
     else:
         # Its start was recorded: the attempt expired at its deadline and ran again.
