@@ -60,7 +60,7 @@ class Stack:
         self.env.setdefault("ASYNCFLOW_SCHEDULER_TICK", "0.05")
         if self.worker_groups is None:
             self.spawn("up", "up", "--port", str(self.port))
-            wait_for(self._healthy, 60, f"{self.name} API to answer /healthz")
+            self.wait_healthy(60)
             return
         # Migrated from here: `asyncflow db upgrade` would cost an interpreter and its imports.
         upgrade(Settings(home=self.home, database_url=self.env.get("ASYNCFLOW_DATABASE_URL")).resolved_database_url())
@@ -69,7 +69,11 @@ class Stack:
         self.spawn("scheduler", "scheduler")
         for group in self.worker_groups:
             self.spawn("worker-" + "+".join(group), "worker", *group, "-c", "2")
-        wait_for(self._healthy, 30, f"{self.name} API to answer /healthz")
+        self.wait_healthy(30)
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Until the API answers /healthz (a respawned one takes a few seconds to listen)."""
+        wait_for(self._healthy, timeout, f"{self.name} API to answer /healthz")
 
     def spawn(self, key: str, *args: str) -> subprocess.Popen[bytes]:
         log = open(self.home / f"{key}.log", "ab")  # noqa: SIM115 - owned by the process

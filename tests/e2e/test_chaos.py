@@ -151,6 +151,7 @@ def test_chaos_soak_every_accepted_task_ends_and_the_ledger_balances(
     assert chaotic.error is None, chaotic.error
     for key in [*WORKERS, "api"]:  # everything is running again
         assert chaos.procs[key].poll() is None, chaos.log(key)
+    chaos.wait_healthy(60)  # the last fault may have been an API kill: it is listening again
 
     def all_stopped() -> list[dict] | None:
         docs = [chaos.get(task_id) for task_id in load.accepted]
