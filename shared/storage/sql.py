@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import psycopg
 from sqlalchemy import (
     ColumnElement,
     Connection,
@@ -48,9 +49,11 @@ from shared.storage.base import (
     same_request,
 )
 from shared.storage.codec import task_from_row, task_to_row
+from shared.storage.driver import DriverStatement, autocommit_cursor
 from shared.storage.schema import attempts, metadata, task_events, tasks
 from shared.storage.statements import (
     CREATE_TASK,
+    CREATE_VALUES,
     GET_TASK,
     INSERT_ATTEMPT,
     NEXT_ATTEMPT_PREFIX,
@@ -114,12 +117,16 @@ class SqlStore(TaskStore):
                 conn.execute(CREATE_TASK, row)
             return task_from_row(row), True
         except IntegrityError:
-            stored = self.get(task.task_id)
-            if stored is None:  # deleted in between: vanishingly rare, report as a conflict
-                raise TaskConflict(f"task id {task.task_id!r} could not be stored") from None
-            if not same_request(stored, task):
-                raise TaskConflict(f"task id {task.task_id!r} is already used") from None
-            return stored, False
+            return self._existing(task)
+
+    def _existing(self, task: Task) -> tuple[Task, bool]:
+        """The stored task whose id ``task`` reused: the same request again, or a conflict."""
+        stored = self.get(task.task_id)
+        if stored is None:  # deleted in between: vanishingly rare, report as a conflict
+            raise TaskConflict(f"task id {task.task_id!r} could not be stored") from None
+        if not same_request(stored, task):
+            raise TaskConflict(f"task id {task.task_id!r} is already used") from None
+        return stored, False
 
     def get(self, task_id: str) -> Task | None:
         with self.transaction(read_only=True) as conn:
@@ -370,9 +377,16 @@ class PostgresStore(SqlStore):
     (autocommit), and a transition's task update and attempt write are one
     statement, the attempt write a data-modifying CTE that runs only if the
     compare-and-set matched. Round trips, not CPU, are what a step costs here.
+    These statements run on psycopg's cursor (:mod:`shared.storage.driver`).
     """
 
     reads_autocommit = True
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self._get = DriverStatement(GET_TASK, self.engine)
+        self._create = DriverStatement(CREATE_TASK.values(CREATE_VALUES), self.engine)
+        self._save = {kind: DriverStatement(s, self.engine) for kind, s in SAVE_IN_ONE_STATEMENT.items()}
 
     def _make_engine(self, url: str) -> Engine:
         # Connections are kept, not opened per burst: a new PostgreSQL connection costs
@@ -381,6 +395,20 @@ class PostgresStore(SqlStore):
         engine = create_engine(url, pool_size=20, max_overflow=20)
         ping_idle_connections(engine, IDLE_BEFORE_PING)
         return engine
+
+    def create(self, task: Task, now: float) -> tuple[Task, bool]:
+        row = task_to_row(task, now) | {"version": 1}
+        try:
+            with autocommit_cursor(self.engine) as cursor:
+                cursor.execute(self._create.sql, self._create.params(row))
+            return task_from_row(row), True
+        except psycopg.IntegrityError:
+            return self._existing(task)
+
+    def get(self, task_id: str) -> Task | None:
+        with autocommit_cursor(self.engine) as cursor:
+            row = cursor.execute(self._get.sql, self._get.params({"b_task_id": task_id})).fetchone()
+        return task_from_row(row) if row is not None else None
 
     def save(
         self,
@@ -401,8 +429,10 @@ class PostgresStore(SqlStore):
         if next_attempt is not None:
             kind += "+next"
             params |= _attempt_params(next_attempt, NEXT_ATTEMPT_PREFIX)
-        with self.transaction(autocommit=True) as conn:  # one statement: atomic on its own
-            return bool(conn.execute(SAVE_IN_ONE_STATEMENT[kind], params).scalar_one() == 1)
+        statement = self._save[kind]
+        with autocommit_cursor(self.engine) as cursor:  # one statement: atomic on its own
+            row = cursor.execute(statement.sql, statement.params(params)).fetchone()
+        return row is not None and next(iter(row.values())) == 1
 
 
 # A pooled connection unused for this long is pinged before use; one in steady use is not.

@@ -22,6 +22,8 @@ ATTEMPT_COLUMNS = tuple(c.name for c in attempts.columns)
 
 GET_TASK = select(tasks).where(tasks.c.task_id == bindparam("b_task_id"))
 CREATE_TASK = insert(tasks)
+# Every column as a bind parameter of its own name, for a statement compiled once.
+CREATE_VALUES = {c.name: bindparam(c.name, type_=c.type) for c in tasks.columns}
 
 SAVE_TASK = (
     update(tasks)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from shared.storage import StorageUnavailable
 from shared.storage import sql as sql_module
 from shared.storage.sql import PostgresStore
 from tests.integration.conftest import postgres_admin
+from tests.integration.test_store_contract import NOW, submitted
 
 pytestmark = pytest.mark.postgres
 
@@ -36,5 +39,31 @@ def test_a_connection_killed_while_idle_is_replaced_only_if_it_idled_long_enough
             with pytest.raises(StorageUnavailable):
                 store.get("no-such-task")
         assert store.get("no-such-task") is None  # ... and the pool has a fresh one after
+    finally:
+        store.close()
+
+
+def test_statements_run_on_the_driver_give_their_connection_back_ready_for_transactions(postgres_url: str) -> None:
+    """The hot statements run in autocommit; a transaction after them must still be one."""
+    store = PostgresStore(postgres_url)
+
+    def out_of_autocommit() -> bool:
+        with store.transaction() as conn:
+            # One connection in the pool all along: each use handed it back (or replaced it).
+            assert store.engine.pool.checkedout() == 1
+            return conn.connection.driver_connection.autocommit is False  # type: ignore[union-attr]
+
+    task = submitted(f"driver-{uuid.uuid4().hex}")
+    try:
+        assert store.create(task, NOW)[1]
+        assert store.get(task.task_id) is not None
+        assert out_of_autocommit()
+        assert store.create(task, NOW) == (store.get(task.task_id), False)  # a duplicate: the INSERT failed
+        assert out_of_autocommit()
+        kill_pooled_connection(store)
+        with pytest.raises(StorageUnavailable):  # no ping (idle < 2 s): the first use finds it dead
+            store.get(task.task_id)
+        assert out_of_autocommit()
+        assert store.get(task.task_id) is not None
     finally:
         store.close()

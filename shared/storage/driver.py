@@ -1,0 +1,75 @@
+"""PostgreSQL's hot statements run on psycopg's cursor, past SQLAlchemy's execution layer.
+
+A step costs one read and one write, each a single statement. Per call,
+SQLAlchemy's Connection, its transaction block, execution context and result
+wrapping cost more CPU than psycopg's own execute (profile in benchmarks/README.md).
+The statements are still built with SQLAlchemy Core and compiled once by the
+engine's dialect, bind processors included: the SQL and the values sent are the
+ones SQLAlchemy would send. Connections come from the engine's pool, so its
+checkout checks (the idle ping) and fork handling apply as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, cast
+
+import psycopg
+from psycopg.rows import dict_row
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import ClauseElement
+
+from shared.storage.base import StorageUnavailable
+
+
+class DriverStatement:
+    """One statement compiled for the engine's dialect, and its parameters' conversions."""
+
+    def __init__(self, statement: ClauseElement, engine: Engine) -> None:
+        dialect = engine.dialect
+        compiled = cast(SQLCompiler, statement.compile(dialect=dialect))
+        # Bytes, and only the parameters the statement names: psycopg then reuses
+        # its parse of the query (it caches none of a str, nor past 50 parameters).
+        self.sql = compiled.string.encode()
+        self._names: list[tuple[str, Callable[[Any], Any] | None]] = [
+            (name, bind.type.dialect_impl(dialect).bind_processor(dialect)) for name, bind in compiled.binds.items()
+        ]
+
+    def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The statement's parameters out of ``values``, converted as SQLAlchemy would."""
+        return {name: (values[name] if convert is None else convert(values[name])) for name, convert in self._names}
+
+
+@contextmanager
+def autocommit_cursor(engine: Engine) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+    """A cursor on a pooled connection in autocommit: each statement commits on its own.
+
+    The connection goes back to the pool out of autocommit, as SQLAlchemy expects
+    it; one that broke is discarded instead.
+    """
+    try:
+        pooled = engine.raw_connection()
+    except DBAPIError as exc:
+        raise StorageUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+    conn: psycopg.Connection[Any] = pooled.driver_connection  # type: ignore[assignment]
+    try:
+        conn.autocommit = True
+        with conn.cursor(row_factory=dict_row) as cursor:
+            yield cursor
+        conn.autocommit = False
+    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+        pooled.invalidate(exc)
+        raise StorageUnavailable(f"database unavailable: {exc}") from exc
+    except BaseException:
+        # A statement error leaves no transaction open in autocommit; a broken
+        # connection (or an interrupted call) is not given to the next caller.
+        if conn.broken or conn.closed or conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            pooled.invalidate()
+        else:
+            conn.autocommit = False
+        raise
+    finally:
+        pooled.close()
