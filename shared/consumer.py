@@ -9,6 +9,8 @@ own interruption into :class:`AttemptTimedOut`.
 from __future__ import annotations
 
 import contextvars
+import heapq
+import itertools
 import logging
 import os
 import socket
@@ -52,7 +54,7 @@ def worker_name() -> str:
 class Pulse:
     """Keeps one running attempt alive while its handler works.
 
-    From a thread of the process running the handler: records the start if the
+    Beaten by the process's :class:`Pulses` thread: records the start if the
     attempt outlives ``start_after`` (None: the start is recorded already), then
     a Heartbeat every ``interval`` seconds with the handler's latest progress.
     If the process dies, so does its pulse, and the sweep fails the attempt
@@ -65,32 +67,31 @@ class Pulse:
         self.start_after = start_after
         self.interval = interval
         self.progress: Mapping[str, Any] | None = None
-        self._stopped = threading.Event()
-        # The attempt's logging context (shared.logs) goes with it onto the thread.
-        context = contextvars.copy_context()
-        self._thread = threading.Thread(
-            target=context.run, args=(self._run,), name=f"pulse {message.task_id}", daemon=True
-        )
+        self.stopped = False
+        self._started = start_after is None
+        # The attempt's logging context (shared.logs) goes with it onto the pulse thread.
+        self._context = contextvars.copy_context()
 
     def start(self) -> None:
-        self._thread.start()
+        first = self.interval if self.start_after is None else self.start_after
+        PULSES.add(self, time.monotonic() + first)
 
     def stop(self) -> None:
-        self._stopped.set()
+        self.stopped = True
 
     def report(self, progress: Mapping[str, Any]) -> None:
         self.progress = dict(progress)
 
-    def _run(self) -> None:
-        start = Started(self.message.seq, heartbeats=True)
-        started = self.start_after is None or (
-            not self._stopped.wait(self.start_after) and self._apply(start, "its start")
-        )
-        if not started:
-            return
-        while not self._stopped.wait(self.interval):
-            if not self._apply(Heartbeat(self.message.seq, self.progress), "a heartbeat"):
-                return
+    def beat(self) -> float | None:
+        """Record what is due now; when to beat next (monotonic), None once the attempt is over."""
+        return self._context.run(self._beat)
+
+    def _beat(self) -> float | None:
+        if self._started:
+            alive = self._apply(Heartbeat(self.message.seq, self.progress), "a heartbeat")
+        else:
+            alive = self._started = self._apply(Started(self.message.seq, heartbeats=True), "its start")
+        return time.monotonic() + self.interval if alive and not self.stopped else None
 
     def _apply(self, event: Started | Heartbeat, what: str) -> bool:
         """Store ``event``; False once the attempt is no longer the task's running one."""
@@ -104,6 +105,60 @@ class Pulse:
         if isinstance(event, Heartbeat):
             metrics.HEARTBEATS.labels(self.message.module).inc()
         return True
+
+
+class Pulses:
+    """One thread per process beats for every pulse of that process, each when it is due.
+
+    A thread per attempt cost more CPU than a no-op step (its start waits for the
+    new thread to be scheduled), and nearly every attempt ends long before its
+    first heartbeat. A stopped pulse is dropped when it comes due.
+    """
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Pulse]] = []
+        self._order = itertools.count()  # ties in time go first come, first served
+        self._pid: int | None = None  # the process the thread runs in
+        self._cond = threading.Condition()
+        # A forked child (a Celery pool process) has no thread and may have a lock
+        # held by the parent's thread at the fork: it starts afresh.
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._due, self._pid, self._cond = [], None, threading.Condition()
+
+    def add(self, pulse: Pulse, at: float) -> None:
+        with self._cond:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="pulses", daemon=True).start()
+            heapq.heappush(self._due, (at, next(self._order), pulse))
+            if self._due[0][2] is pulse:  # sooner than the thread means to wake
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            pulse = self._next()
+            again = pulse.beat()
+            if again is not None:
+                self.add(pulse, again)
+
+    def _next(self) -> Pulse:
+        """Waits for the first pulse due that is not stopped, and takes it off the heap."""
+        with self._cond:
+            while True:
+                while self._due and self._due[0][2].stopped:
+                    heapq.heappop(self._due)
+                wait = self._due[0][0] - time.monotonic() if self._due else None
+                if wait is not None and wait <= 0:
+                    return heapq.heappop(self._due)[2]
+                # Heartbeats need no precision: waking a little late lets one wake-up
+                # drop the many pulses of short attempts that came due meanwhile.
+                self._cond.wait(None if wait is None else max(wait, PULSE_SLACK))
+
+
+PULSE_SLACK = 0.05
+PULSES = Pulses()
 
 
 class StepConsumer:

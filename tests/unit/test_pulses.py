@@ -1,0 +1,73 @@
+"""One thread per process keeps running attempts alive: it beats the live ones, drops the ended ones."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shared.consumer import Pulse
+from shared.saga import Heartbeat, Started
+from shared.states import StepType
+from shared.task import StepMessage
+from shared.testing import wait_for
+
+
+@dataclass
+class Decided:
+    ignored: str | None = None
+
+
+class Recording:
+    """The part of TaskService a pulse uses: records each event, per task."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+        self.over: set[str] = set()  # tasks whose attempt has ended: their events are ignored
+        self.lock = threading.Lock()
+
+    def apply(self, task_id: str, event: Any, worker: str | None = None) -> Decided:
+        with self.lock:
+            self.events.append((task_id, event))
+        return Decided("not running" if task_id in self.over else None)
+
+    def of(self, task_id: str) -> list[Any]:
+        with self.lock:
+            return [e for t, e in self.events if t == task_id]
+
+
+def message(task_id: str) -> StepMessage:
+    return StepMessage(task_id, "f", 3, 0, StepType.NORMAL, 1, "alpha", "step", 60.0, 0)
+
+
+def pulse_threads() -> int:
+    return sum(t.name == "pulses" for t in threading.enumerate())
+
+
+def test_live_attempts_beat_at_their_interval_and_short_ones_never_write() -> None:
+    service = Recording()
+    short = [Pulse(service, message(f"short-{i}"), None, 0.1) for i in range(200)]  # type: ignore[arg-type]
+    for p in short:
+        p.start()
+        p.stop()  # the attempt ended at once, as most do
+    live = Pulse(service, message("live"), None, 0.1)  # type: ignore[arg-type]
+    late = Pulse(service, message("late"), 0.1, 0.1)  # type: ignore[arg-type]  # its start not yet recorded
+    live.start()
+    late.start()
+    live.report({"done": 1})
+    wait_for(lambda: len(service.of("live")) >= 3 and len(service.of("late")) >= 3, 5, "three beats each")
+    assert pulse_threads() == 1
+    assert all(isinstance(e, Heartbeat) and e.seq == 3 for e in service.of("live"))
+    assert service.of("live")[-1].progress == {"done": 1}
+    first, *rest = service.of("late")
+    assert isinstance(first, Started) and first.heartbeats
+    assert rest and all(isinstance(e, Heartbeat) for e in rest)
+    assert not [t for t, _ in service.events if t.startswith("short-")]
+
+    live.stop()
+    service.over.add("late")  # the sweep failed it, say: the next beat is ignored and the pulse ends
+    time.sleep(0.3)
+    beats = len(service.events)
+    time.sleep(0.3)
+    assert len(service.events) == beats
