@@ -143,7 +143,7 @@ def _task_routes(runtime: Runtime) -> APIRouter:
     settings = runtime.settings
     router = APIRouter(prefix="/api", tags=["tasks"])
 
-    def service() -> TaskService:
+    async def service() -> TaskService:  # async: called on the event loop, not through a worker thread
         return runtime.service
 
     Service = Annotated[TaskService, Depends(service)]

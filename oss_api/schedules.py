@@ -125,7 +125,7 @@ _BODY_ERRORS = (400, 413, 422)  # malformed JSON, too large, invalid fields
 def schedule_routes(runtime: Runtime) -> APIRouter:
     router = APIRouter(prefix="/api/schedules", tags=["schedules"])
 
-    def service() -> ScheduleService:
+    async def service() -> ScheduleService:  # async: called on the event loop, not through a worker thread
         return runtime.schedules
 
     Service = Annotated[ScheduleService, Depends(service)]
