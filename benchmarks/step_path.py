@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""Asyncflow's own cost per flow, without a broker or HTTP: one process, PostgreSQL.
+
+Submits N ``noop`` flows (tests/support/flows.yaml) through ``TaskService.submit``
+with a publisher that keeps the messages in memory, then runs each first step with
+``StepConsumer.handle``, which runs the flow's next two steps on in the same call
+(the default). What it measures is the code Asyncflow owns on a step's path: the
+saga decision, the row codec, the statements and the pulse, with PostgreSQL's
+round trips; not Celery, kombu, uvicorn or FastAPI.
+
+It prints the process CPU and wall time per flow of each phase. CPU time is noisy
+on a shared machine: for a figure that is not, count instructions under
+callgrind at two sizes and take the difference, which cancels start-up and
+warm-up:
+
+    valgrind --tool=callgrind --callgrind-out-file=/dev/null .venv/bin/python benchmarks/step_path.py --flows 30
+    valgrind --tool=callgrind --callgrind-out-file=/dev/null .venv/bin/python benchmarks/step_path.py --flows 130
+    # (Collected of the second - Collected of the first) / 100 = instructions per flow
+
+    .venv/bin/python benchmarks/step_path.py --flows 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from stack import REPO, SUPPORT, Backend, machine_info, setup_postgres  # noqa: E402
+
+sys.path[:0] = [str(SUPPORT), str(REPO)]
+
+import testmod  # noqa: E402
+
+from shared.config import Settings  # noqa: E402
+from shared.consumer import StepConsumer  # noqa: E402
+from shared.flows import load_flows  # noqa: E402
+from shared.migrate import upgrade  # noqa: E402
+from shared.service import TaskService, timing_of  # noqa: E402
+from shared.states import TaskStatus  # noqa: E402
+from shared.storage import open_store  # noqa: E402
+from shared.testing import QueuePublisher  # noqa: E402
+
+WARM_UP = 50
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flows", type=int, default=1000, help="flows measured (default 1000)")
+    p.add_argument("--postgres-admin-url", default=None, help="where to create the run's database")
+    args = p.parse_args(argv)
+    backend = Backend("postgres")
+    setup_postgres(backend, args.postgres_admin_url)
+    try:
+        url = backend.env["ASYNCFLOW_DATABASE_URL"]
+        upgrade(url)
+        settings = Settings(home=Path("."), database_url=url)
+        store = open_store(url)
+        publisher = QueuePublisher()
+        service = TaskService(store, publisher, load_flows(SUPPORT / "flows.yaml"), timing=timing_of(settings))
+        consumer = StepConsumer(service, {"alpha": testmod.alpha, "beta": testmod.beta}, settings)
+
+        def run(flows: int) -> dict[str, float]:
+            """Submit ``flows`` flows, then run them; CPU and wall ms per flow of each phase."""
+            figures: dict[str, float] = {}
+            cpu, wall = time.process_time(), time.perf_counter()
+            ids = [service.submit("noop", {})[0].task_id for _ in range(flows)]
+            figures |= {"submit_cpu_ms": time.process_time() - cpu, "submit_wall_ms": time.perf_counter() - wall}
+            cpu, wall = time.process_time(), time.perf_counter()
+            while publisher.messages:
+                consumer.handle(publisher.messages.popleft(), continue_until=time.monotonic() + 3600)
+            figures |= {"steps_cpu_ms": time.process_time() - cpu, "steps_wall_ms": time.perf_counter() - wall}
+            unfinished = [i for i in ids if service.get(i).status is not TaskStatus.SUCCESS]  # type: ignore[union-attr]
+            if unfinished:
+                raise SystemExit(f"{len(unfinished)} flows did not succeed, e.g. {unfinished[0]}")
+            return {k: round(v * 1000 / flows, 3) for k, v in figures.items()}
+
+        run(WARM_UP)
+        figures = run(args.flows)
+        store.close()
+    finally:
+        backend.cleanup()
+    result = {"flows": args.flows, "per_flow": figures, "versions": backend.versions, "machine": machine_info()}
+    print(f"{args.flows} flows, per flow: submit {figures['submit_cpu_ms']} ms CPU ({figures['submit_wall_ms']} wall), "
+          f"three steps {figures['steps_cpu_ms']} ms CPU ({figures['steps_wall_ms']} wall)")
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
