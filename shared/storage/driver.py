@@ -63,13 +63,16 @@ def autocommit_cursor(engine: Engine) -> Iterator[psycopg.Cursor[dict[str, Any]]
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
         pooled.invalidate(exc)
         raise StorageUnavailable(f"database unavailable: {exc}") from exc
-    except BaseException:
+    except BaseException as exc:
         # A statement error leaves no transaction open in autocommit; a broken
         # connection (or an interrupted call) is not given to the next caller.
-        if conn.broken or conn.closed or conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        lost = conn.broken or conn.closed
+        if lost or conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             pooled.invalidate()
         else:
             conn.autocommit = False
+        if lost and isinstance(exc, psycopg.Error):  # e.g. refusing autocommit on a closed connection
+            raise StorageUnavailable(f"database connection lost: {exc}") from exc
         raise
     finally:
         pooled.close()
