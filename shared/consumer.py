@@ -139,7 +139,11 @@ class Pulses:
     def _run(self) -> None:
         while True:
             pulse = self._next()
-            again = pulse.beat()
+            try:
+                again = pulse.beat()
+            except Exception:  # this thread beats for every attempt of the process: it goes on
+                log.exception("a pulse failed", extra={"task_id": pulse.message.task_id})
+                again = time.monotonic() + pulse.interval
             if again is not None:
                 self.add(pulse, again)
 

@@ -71,3 +71,27 @@ def test_live_attempts_beat_at_their_interval_and_short_ones_never_write() -> No
     beats = len(service.events)
     time.sleep(0.3)
     assert len(service.events) == beats
+
+
+def test_a_beat_that_raises_does_not_stop_the_others() -> None:
+    class Escaping(Recording):
+        def apply(self, task_id: str, event: Any, worker: str | None = None) -> Decided:
+            super().apply(task_id, event, worker)
+            return None  # type: ignore[return-value]  # no decision: the pulse raises past its own net
+
+    escaping, healthy = Escaping(), Recording()
+    pulses = [
+        Pulse(escaping, message("escaping"), None, 0.05),  # type: ignore[arg-type]
+        Pulse(healthy, message("healthy"), None, 0.05),  # type: ignore[arg-type]
+    ]
+    for p in pulses:
+        p.start()
+    try:
+        wait_for(
+            lambda: len(escaping.of("escaping")) >= 3 and len(healthy.of("healthy")) >= 3,
+            5,
+            "three beats each, one of them failing every time",
+        )
+    finally:
+        for p in pulses:
+            p.stop()
