@@ -54,6 +54,8 @@ def autocommit_cursor(engine: Engine) -> Iterator[psycopg.Cursor[dict[str, Any]]
         pooled = engine.raw_connection()
     except DBAPIError as exc:
         raise StorageUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:  # a new connection refused: unwrapped here
+        raise StorageUnavailable(f"database unavailable: {exc}") from exc
     conn: psycopg.Connection[Any] = pooled.driver_connection  # type: ignore[assignment]
     try:
         conn.autocommit = True
