@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
 from billiard.exceptions import WorkerLostError
@@ -211,25 +212,41 @@ def bound_shutdown(app: Celery, consumer: StepConsumer, grace: float) -> None:
     from celery.signals import worker_shutting_down
     from celery.worker import state
 
+    worker_shutting_down.connect(
+        grace_then_stop(consumer, grace, lambda: list(state.active_requests), lambda: os.kill(os.getpid(), signal.SIGQUIT)),
+        weak=False,
+    )
+
+
+def grace_then_stop(
+    consumer: StepConsumer, grace: float, running: Callable[[], list[Any]], stop: Callable[[], None]
+) -> Callable[..., None]:
+    """The shutdown handler of :func:`bound_shutdown`: ``running`` lists the active requests, ``stop`` ends the worker.
+
+    The timer starts whatever runs at the signal: a pool process may already run
+    an attempt whose start the main process has not heard of yet (Celery counts
+    a request active once the pool's acknowledgement is read), and a worker
+    with nothing left to wait for exits before the timer, taking it along.
+    """
+
     def give_up() -> None:
-        running = list(state.active_requests)
-        for request in running:
+        requests = running()
+        for request in requests:
             if not isinstance(request, StepRequest):
                 continue  # an alarm delivery: it is retried by the broker
             step, _ = request.running_step()
             with attempt_context(AttemptFields.of(step)):
                 consumer.lost(step, f"worker stopped; attempt unfinished after {grace:g}s")
-        log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(running))
-        os.kill(os.getpid(), signal.SIGQUIT)
+        log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(requests))
+        stop()
 
     def on_shutdown(**_: Any) -> None:
-        if state.active_requests:
-            log.info("stopping: waiting up to %gs for %d attempt(s)", grace, len(state.active_requests))
-            timer = threading.Timer(grace, give_up)
-            timer.daemon = True
-            timer.start()
+        log.info("stopping: waiting up to %gs for %d attempt(s)", grace, len(running()))
+        timer = threading.Timer(grace, give_up)
+        timer.daemon = True
+        timer.start()
 
-    worker_shutting_down.connect(on_shutdown, weak=False)
+    return on_shutdown
 
 
 class BrokerUnavailable(Exception):
