@@ -7,11 +7,33 @@ never makes stored tasks unreadable.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from typing import Any
 
+import orjson
+
 from shared.states import Phase, StepState, StepType, TaskStatus
 from shared.task import Active, Command, Step, Task
+
+# What orjson would encode and json refuses goes to json instead, which refuses it
+# as before: a type it does not know, or a subclass that may encode itself otherwise.
+_AS_JSON_DOES = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
+
+
+def json_text(value: Any) -> bytes:
+    """A JSON column's text, as PostgreSQL is sent it.
+
+    orjson encodes a task's steps and parameters in a fraction of json's CPU
+    (json's encoding was 8 % of a flow's instructions, benchmarks/README.md). The same
+    documents come out, but for NaN and infinities (null here; json's tokens are
+    invalid JSON, which PostgreSQL refuses) and integers past 64 bits, which orjson
+    refuses and json writes.
+    """
+    try:
+        return orjson.dumps(value, option=_AS_JSON_DOES)
+    except orjson.JSONEncodeError:
+        return json.dumps(value).encode()
 
 
 def command_from_json(data: dict[str, Any]) -> Command:

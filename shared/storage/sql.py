@@ -48,7 +48,7 @@ from shared.storage.base import (
     TaskStore,
     same_request,
 )
-from shared.storage.codec import task_from_row, task_to_row
+from shared.storage.codec import json_text, task_from_row, task_to_row
 from shared.storage.driver import DriverStatement, autocommit_cursor
 from shared.storage.schema import attempts, metadata, task_events, tasks
 from shared.storage.statements import (
@@ -392,7 +392,7 @@ class PostgresStore(SqlStore):
         # Connections are kept, not opened per burst: a new PostgreSQL connection costs
         # a backend process and several round trips, more than the statement it serves.
         # 20 covers the API's request threads; overflow connections are closed on return.
-        engine = create_engine(url, pool_size=20, max_overflow=20)
+        engine = create_engine(url, pool_size=20, max_overflow=20, json_serializer=json_text)
         ping_idle_connections(engine, IDLE_BEFORE_PING)
         return engine
 

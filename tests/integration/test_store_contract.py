@@ -42,6 +42,7 @@ PARAMETERS = {
     "Tags": ["a", 1, None, True, {"nested": [1.25, {"deep": False}]}],
     "Empty": {},
     "Big": 2**53,
+    "Huge": 2**70,  # past 64 bits: PostgreSQL's JSON encoder hands it to json
 }
 
 
