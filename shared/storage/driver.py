@@ -34,13 +34,20 @@ class DriverStatement:
         # Bytes, and only the parameters the statement names: psycopg then reuses
         # its parse of the query (it caches none of a str, nor past 50 parameters).
         self.sql = compiled.string.encode()
-        self._names: list[tuple[str, Callable[[Any], Any] | None]] = [
-            (name, bind.type.dialect_impl(dialect).bind_processor(dialect)) for name, bind in compiled.binds.items()
-        ]
+        self._names: list[tuple[str, Callable[[Any], Any] | None]] = []
+        # The statement's own literals (``status == 1``) became parameters with their value.
+        self._fixed: dict[str, Any] = {}
+        for bind, name in compiled.bind_names.items():  # each parameter under the name the SQL gives it
+            convert = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if bind.required:
+                self._names.append((name, convert))
+            else:
+                self._fixed[name] = bind.effective_value if convert is None else convert(bind.effective_value)
 
     def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """The statement's parameters out of ``values``, converted as SQLAlchemy would."""
-        return {name: (values[name] if convert is None else convert(values[name])) for name, convert in self._names}
+        named = {name: (values[name] if convert is None else convert(values[name])) for name, convert in self._names}
+        return self._fixed | named if self._fixed else named
 
 
 @contextmanager

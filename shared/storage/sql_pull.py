@@ -3,6 +3,10 @@
 hold_tasks claims rows with ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so
 concurrent workers never get the same task and never wait on each other; on
 SQLite the write transaction (BEGIN IMMEDIATE) serializes the claims.
+
+The calls a worker makes per task (create_task, hold_tasks, get and set_task)
+are one statement each, and on PostgreSQL they run on psycopg's cursor
+(:mod:`shared.storage.driver`), as the saga's task reads and transitions do.
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ import builtins
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from shared.pull.rules import PullStatus, PullTask, TaskType
 from shared.storage.base import PullStore, TaskConflict, TypeSummary
+from shared.storage.driver import DriverStatement, autocommit_cursor
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import SqlStore
 
@@ -79,6 +85,13 @@ def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
 # Built once: create_task is the hot path, and building it costs more than running it.
 CREATE_PULL_TASK = _create_statement()
 CREATE_PULL_TASKS = _create_statement(returning=False)
+GET_PULL_TASK = select(pull_tasks).where(pull_tasks.c.task_id == bindparam("b_task_id"))
+# A report (set_task), the scheduler's expiry: every column but the key, if the version still matches.
+SAVE_PULL_TASK = (
+    update(pull_tasks)
+    .where(pull_tasks.c.task_id == bindparam("b_task_id"), pull_tasks.c.version == bindparam("b_version"))
+    .values({c.name: bindparam(c.name, type_=c.type) for c in pull_tasks.columns if c.name != "task_id"})
+)
 
 
 def _row(task: PullTask) -> dict[str, Any]:
@@ -94,7 +107,7 @@ def create_row(task: PullTask) -> dict[str, Any]:
 
 
 def _task(row: Any) -> PullTask:
-    m = dict(row._mapping)
+    m = dict(getattr(row, "_mapping", row))  # a SQLAlchemy row, or psycopg's dict
     m.pop("lease_until", None)
     m["status"] = PullStatus(m["status"])
     return PullTask(**m)
@@ -105,8 +118,28 @@ class SqlPullStore(PullStore):
         self.sql = sql
         # On PostgreSQL concurrent holds skip each other's rows; SQLite's write
         # transaction (BEGIN IMMEDIATE) serializes them instead.
-        skip_locked = sql.engine.dialect.name == "postgresql"
-        self._hold = {by_type: _hold_statement(skip_locked, by_type) for by_type in (False, True)}
+        postgres = sql.engine.dialect.name == "postgresql"
+        self._hold = {by_type: _hold_statement(postgres, by_type) for by_type in (False, True)}
+        self._driver: dict[str, DriverStatement] | None = None
+        if postgres:
+            self._driver = {
+                "create": DriverStatement(CREATE_PULL_TASK, sql.engine),
+                "get": DriverStatement(GET_PULL_TASK, sql.engine),
+                "save": DriverStatement(SAVE_PULL_TASK, sql.engine),
+                "hold": DriverStatement(self._hold[False], sql.engine),
+                "hold by type": DriverStatement(self._hold[True], sql.engine),
+            }
+
+    def _run(self, name: str, values: dict[str, Any]) -> tuple[builtins.list[dict[str, Any]], int]:
+        """PostgreSQL: one of the hot statements, in autocommit (a statement is atomic on its own).
+
+        Its rows (none without RETURNING) and how many it changed.
+        """
+        assert self._driver is not None
+        statement = self._driver[name]
+        with autocommit_cursor(self.sql.engine) as cursor:
+            cursor.execute(statement.sql, statement.params(values))
+            return (cursor.fetchall() if cursor.description is not None else []), cursor.rowcount
 
     # --- task types ---------------------------------------------------------------
 
@@ -142,16 +175,21 @@ class SqlPullStore(PullStore):
         # One statement reads the type's settings and inserts: create_task is a hot path.
         row = create_row(task)
         try:
-            with self.sql.transaction() as conn:
-                inserted = conn.execute(CREATE_PULL_TASK, row).first()
-        except IntegrityError:
+            if self._driver is not None:
+                rows, _ = self._run("create", row)
+                inserted = rows[0] if rows else None
+            else:
+                with self.sql.transaction() as conn:
+                    found = conn.execute(CREATE_PULL_TASK, row).first()
+                inserted = dict(found._mapping) if found is not None else None
+        except (IntegrityError, psycopg.IntegrityError):
             stored = self.get(task.task_id)
             if stored is None or (stored.task_type, stored.user_id) != (task.task_type, task.user_id):
                 raise TaskConflict(f"task id {task.task_id!r} is already used") from None
             return stored, False
         if inserted is None:
             return None
-        return replace(task, version=1, **dict(inserted._mapping)), True
+        return replace(task, version=1, **inserted), True
 
     def enqueue(self, task: PullTask) -> None:
         row = _row(replace(task, version=1))
@@ -180,8 +218,13 @@ class SqlPullStore(PullStore):
         )
 
     def get(self, task_id: str) -> PullTask | None:
-        with self.sql.transaction(read_only=True) as conn:
-            row = conn.execute(select(pull_tasks).where(pull_tasks.c.task_id == task_id)).first()
+        row: Any
+        if self._driver is not None:
+            rows, _ = self._run("get", {"b_task_id": task_id})
+            row = rows[0] if rows else None
+        else:
+            with self.sql.transaction(read_only=True) as conn:
+                row = conn.execute(GET_PULL_TASK, {"b_task_id": task_id}).first()
         return _task(row) if row is not None else None
 
     def list(
@@ -220,21 +263,22 @@ class SqlPullStore(PullStore):
         params: dict[str, Any] = {"held_type": task_type, "held_at": now, "held_heartbeat": heartbeat_timeout}
         if limit is not None:
             params["held_limit"] = limit
-        with self.sql.transaction() as conn:
-            rows = conn.execute(self._hold[limit is None], params).all()
+        rows: Any
+        if self._driver is not None:
+            rows, _ = self._run("hold by type" if limit is None else "hold", params)
+        else:
+            with self.sql.transaction() as conn:
+                rows = conn.execute(self._hold[limit is None], params).all()
         return sorted((_task(r) for r in rows), key=lambda t: t.order_time)
 
     def save(self, task: PullTask) -> bool:
-        row = _row(task)
-        del row["task_id"]
-        row["version"] = task.version + 1
+        row = _row(task) | {"version": task.version + 1, "b_task_id": task.task_id, "b_version": task.version}
+        del row["task_id"]  # the key is not set; a column name among the values would be
+        if self._driver is not None:
+            _, changed = self._run("save", row)
+            return changed == 1
         with self.sql.transaction() as conn:
-            result = conn.execute(
-                update(pull_tasks)
-                .where(pull_tasks.c.task_id == task.task_id, pull_tasks.c.version == task.version)
-                .values(**row)
-            )
-        return result.rowcount == 1
+            return conn.execute(SAVE_PULL_TASK, row).rowcount == 1
 
     def due(self, now: float, limit: int) -> builtins.list[PullTask]:
         query = (
