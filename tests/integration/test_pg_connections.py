@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 
+from shared.config import Settings
+from shared.consumer import StepConsumer
+from shared.flows import load_flows
+from shared.service import TaskService
 from shared.storage import StorageUnavailable
 from shared.storage import sql as sql_module
 from shared.storage.sql import PostgresStore
-from tests.integration.conftest import postgres_admin
+from shared.testing import QueuePublisher
+from tests.integration.conftest import postgres_admin, postgres_schema
 from tests.integration.test_store_contract import NOW, submitted
+from tests.support import testmod
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 pytestmark = pytest.mark.postgres
 
@@ -67,3 +77,62 @@ def test_statements_run_on_the_driver_give_their_connection_back_ready_for_trans
         assert store.get(task.task_id) is not None
     finally:
         store.close()
+
+
+def test_statements_prepared_on_small_tables_do_not_scan_them_once_grown() -> None:
+    """A new deployment's first steps run while af_attempts is nearly empty; psycopg
+    prepares the statements then. The steps after the table has grown must still
+    find their attempt by its key, not read the whole table."""
+    with postgres_schema() as (url, schema):
+        store = PostgresStore(url)
+        publisher = QueuePublisher()
+        service = TaskService(store, publisher, load_flows(SUPPORT / "flows.yaml"))
+        consumer = StepConsumer(service, {"alpha": testmod.alpha, "beta": testmod.beta}, Settings())
+
+        def run_flows(n: int) -> None:
+            for _ in range(n):
+                service.submit("noop", {})
+            while publisher.messages:
+                consumer.handle(publisher.messages.popleft(), continue_until=time.monotonic() + 60)
+
+        try:
+            run_flows(12)  # every statement of a step runs more than five times on the one connection
+            admin, _ = postgres_admin()
+            with admin:
+                admin.execute(
+                    f'INSERT INTO "{schema}".af_attempts (task_id, seq, cursor, type, attempt, module, command) '
+                    "SELECT 'grown-' || g, 1, 0, 0, 1, 'alpha', 'step' FROM generate_series(1, 20000) g"
+                )
+            run_flows(10)
+            # The first flows scanned a table of a few dozen rows, if at all; by key, the last
+            # ones read a few rows per step; scanning the grown table, 20,000 per step.
+            read = rows_scanned(schema, store)
+        finally:
+            store.close()
+    assert read < 20_000, f"{read} rows of af_attempts read by sequential scans"
+
+
+def rows_scanned(schema: str, store: PostgresStore) -> int:
+    """Rows of the schema's af_attempts read by sequential scans, every backend's included.
+
+    Closes the store's connections: their backends report their statistics as they exit.
+    """
+    store.engine.dispose()
+    admin, _ = postgres_admin()
+    with admin:
+        deadline = time.monotonic() + 10
+        while True:
+            # Backends still exiting have not reported yet: wait until none of the schema's is left.
+            busy = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND query LIKE %s",
+                (f"%{schema}%",),
+            ).fetchone()
+            if busy is not None and busy[0] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        admin.execute("SELECT pg_stat_clear_snapshot()")
+        row = admin.execute(
+            "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables WHERE schemaname = %s AND relname = 'af_attempts'",
+            (schema,),
+        ).fetchone()
+    return int(row[0]) if row is not None else 0
