@@ -150,6 +150,7 @@ def cpu_figures(m: Measured, per_flow_ms: dict[str, float], script: bool = False
         "per_flow_ms": per_flow_ms,
         "others_seconds": round(m.busy - sum(m.cpu.values()), 2),
         "servers_seconds": m.servers,
+        "rss_mib": {k: list(v) for k, v in m.rss.items()},
     }
     if script:
         out["script_seconds"] = round(m.script_cpu, 2)
@@ -174,7 +175,7 @@ def conclude(bench: str, args: argparse.Namespace, summary: dict[str, Any], m: M
         "submits_per_s": summary["submit"]["per_s"],
         **{f"submit_done_p{p}_ms": round(v, 2) if (v := pct(done_ms, p)) is not None else None for p in (50, 95, 99)},
         "cpu_s": c["by_process"], "cpu_per_flow_ms": c["per_flow_ms"], "cpu_others_s": c["others_seconds"],
-        "cpu_servers_s": c["servers_seconds"],
+        "cpu_servers_s": c["servers_seconds"], "rss_mib": c["rss_mib"],
         "machine_busy_pct": c["machine_busy_pct"], "loadavg_at_start": summary["machine"]["loadavg_at_start"],
         "exit_status": status,
     }
@@ -244,6 +245,9 @@ def print_cpu(summary: dict[str, Any]) -> None:
     if "script_seconds" in c:
         print(f"    of which this script (the submitter): {c['script_seconds']:.2f} CPU-s")
     print(f"  machine busy {c['machine_busy_pct']:.0f}%")
+    print("Resident memory (MiB, each process tree summed; at the start -> at the end):")
+    for key, (start, end) in c["rss_mib"].items():
+        print(f"  {key:<10} {start:7.1f} -> {end:7.1f}  ({100 * (end - start) / start if start else 0:+.1f} %)")
 
 
 def print_report(summary: dict[str, Any]) -> None:

@@ -164,6 +164,7 @@ class Measured:
     busy: float  # CPU seconds the whole machine was busy
     total: float  # CPU seconds the whole machine had
     servers: dict[str, float]  # CPU seconds of the database and broker servers (in "others")
+    rss: dict[str, tuple[float, float]]  # resident MiB of each process tree at the start and at the end
 
 
 def measure(args: argparse.Namespace, procs: Processes, send: Send, finished: Callable[[Submitted], bool],
@@ -171,6 +172,7 @@ def measure(args: argparse.Namespace, procs: Processes, send: Send, finished: Ca
     """Submit ``args.flows`` flows in the mode ``args`` asks for and wait until ``finished``."""
     deadline = time.monotonic() + args.timeout
     cpu0, script0, machine0, servers0 = procs.cpu(), sum(os.times()[:2]), machine_cpu(), servers_cpu()
+    rss0 = procs.rss()
     t0 = time.perf_counter()
     if args.rate:
         log(f"submitting {args.flows} flows at {args.rate:g}/s")
@@ -192,6 +194,7 @@ def measure(args: argparse.Namespace, procs: Processes, send: Send, finished: Ca
         script_cpu=script1 - script0,
         busy=machine1[0] - machine0[0], total=machine1[1] - machine0[1],
         servers={k: round(servers1[k] - servers0[k], 2) for k in servers0},
+        rss={k: (v, procs.rss().get(k, 0.0)) for k, v in rss0.items()},
     )
 
 

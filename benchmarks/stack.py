@@ -86,6 +86,7 @@ def machine_info() -> dict[str, Any]:
 # --- CPU accounting (our process trees vs the whole machine) -------------------------
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _proc_stats() -> Iterator[tuple[str, list[str]]]:
@@ -105,6 +106,17 @@ def _session_cpu(sid: int) -> float:
     # fields[0] is state (field 3); session is field 6; utime..cstime are fields 14..17.
     ticks = sum(sum(int(x) for x in fields[11:15]) for _, fields in _proc_stats() if int(fields[3]) == sid)
     return ticks / CLK_TCK
+
+
+def _session_rss(sid: int) -> float:
+    """Resident memory (MiB) of every live process in session ``sid``, summed.
+
+    Pages shared between a worker and its forked pool count once per process: a
+    figure to compare with itself across a run, not the tree's footprint.
+    """
+    # rss, in pages, is field 24.
+    pages = sum(int(fields[21]) for _, fields in _proc_stats() if int(fields[3]) == sid)
+    return round(pages * PAGE_SIZE / 2**20, 1)
 
 
 # The servers a run talks to, by process name: their share of "others".
@@ -326,6 +338,9 @@ class Processes:
 
     def cpu(self) -> dict[str, float]:
         return {key: _session_cpu(proc.pid) for key, proc in self.procs.items()}
+
+    def rss(self) -> dict[str, float]:
+        return {key: _session_rss(proc.pid) for key, proc in self.procs.items()}
 
     def stop(self, timeout: float = 20) -> None:
         # SIGTERM to each main process only: a Celery worker then stops its own pool.

@@ -8,7 +8,10 @@ with a publisher that keeps the messages in memory, then runs each first step wi
 saga decision, the row codec, the statements and the pulse, with PostgreSQL's
 round trips; not Celery, kombu, uvicorn or FastAPI.
 
-It prints the process CPU and wall time per flow of each phase. CPU time is noisy
+It prints the process CPU and wall time per flow of each phase, and the database's
+side of the whole run: the PostgreSQL server processes' CPU, the WAL written (the
+cluster's, so nothing else should be writing) and how many task-row updates were
+HOT (heap-only: no index entry written). CPU time is noisy
 on a shared machine: for a figure that is not, count instructions under
 callgrind at two sizes and take the difference, which cancels start-up and
 warm-up:
@@ -30,10 +33,11 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from stack import REPO, SUPPORT, Backend, machine_info, setup_postgres  # noqa: E402
+from stack import REPO, SUPPORT, Backend, machine_info, servers_cpu, setup_postgres  # noqa: E402
 
 sys.path[:0] = [str(SUPPORT), str(REPO)]
 
+import psycopg  # noqa: E402
 import testmod  # noqa: E402
 
 from shared.config import Settings  # noqa: E402
@@ -80,15 +84,40 @@ def main(argv: list[str] | None = None) -> int:
             return {k: round(v * 1000 / flows, 3) for k, v in figures.items()}
 
         run(WARM_UP)
+        before = database_counters(url)
         figures = run(args.flows)
+        after = database_counters(url)
+        figures |= {
+            "postgresql_cpu_ms": round((after["cpu_s"] - before["cpu_s"]) * 1000 / args.flows, 3),
+            "wal_bytes": round((after["wal_bytes"] - before["wal_bytes"]) / args.flows),
+            "task_updates": round((after["updates"] - before["updates"]) / args.flows, 2),
+            "task_updates_hot": round((after["hot_updates"] - before["hot_updates"]) / args.flows, 2),
+        }
         store.close()
     finally:
         backend.cleanup()
     result = {"flows": args.flows, "per_flow": figures, "versions": backend.versions, "machine": machine_info()}
     print(f"{args.flows} flows, per flow: submit {figures['submit_cpu_ms']} ms CPU ({figures['submit_wall_ms']} wall), "
-          f"three steps {figures['steps_cpu_ms']} ms CPU ({figures['steps_wall_ms']} wall)")
+          f"three steps {figures['steps_cpu_ms']} ms CPU ({figures['steps_wall_ms']} wall); "
+          f"PostgreSQL {figures['postgresql_cpu_ms']} ms CPU, {figures['wal_bytes']} WAL bytes, "
+          f"{figures['task_updates']} task-row updates of which {figures['task_updates_hot']} HOT")
     print("RESULT " + json.dumps(result))
     return 0
+
+
+def database_counters(url: str) -> dict[str, float]:
+    """The server's CPU, the cluster's WAL position and the task table's update counts, now."""
+    with psycopg.connect(url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+        # The statistics of this backend's transactions are flushed at most once a second.
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        time.sleep(1.1)
+        wal = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+        updates = conn.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'af_tasks'"
+        ).fetchone()
+    assert wal is not None and updates is not None
+    return {"cpu_s": servers_cpu()["postgresql"], "wal_bytes": float(wal[0]),
+            "updates": float(updates[0]), "hot_updates": float(updates[1])}
 
 
 if __name__ == "__main__":
