@@ -27,7 +27,17 @@ from oss_api.auth import (
 from oss_api.limits import BodyLimit, check_parameters_size
 from oss_api.metrics import StackMetrics
 from oss_api.schedules import schedule_routes
-from oss_api.schemas import OperationRequest, SubmitRequest, TaskDocument, TaskList, UserId, path_id
+from oss_api.schemas import (
+    BatchAnswer,
+    BatchItem,
+    OperationRequest,
+    SubmitBatch,
+    SubmitRequest,
+    TaskDocument,
+    TaskList,
+    UserId,
+    path_id,
+)
 from oss_api.ui import install as install_ui
 from oss_api.v1 import v1_routes
 from shared.config import load_settings
@@ -37,7 +47,7 @@ from shared.presence import Presence, version
 from shared.reload import reload_on_hangup
 from shared.runtime import Runtime
 from shared.saga import Cancel, Resume, Retry
-from shared.service import TaskService
+from shared.service import ServiceError, Submission, TaskService, at_index
 from shared.states import TaskStatus
 from shared.storage import TaskFilter
 
@@ -189,6 +199,37 @@ def _task_routes(runtime: Runtime) -> APIRouter:
         if not created:
             response.status_code = 200
         return TaskDocument.of(task)
+
+    @router.post(
+        "/tasks/batch",
+        response_model=BatchAnswer,
+        responses=errors.answers(
+            400,
+            401,
+            403,
+            404,
+            409,
+            413,
+            422,
+            503,
+            e403="The key's user may not submit for another user_id",
+            e404="Unknown flow (the error names the submission, tasks[i])",
+            e409="A task_id is taken by a task of another flow or user; nothing was stored",
+            e422="Invalid body, parameters a flow refuses, or a task_id given twice (detail names each)",
+        ),
+    )
+    def submit_batch(body: SubmitBatch, who: CallerDep, svc: Service) -> BatchAnswer:
+        """Submit up to 1,000 tasks in one request: one transaction stores them all, or none."""
+        batch = []
+        for i, sub in enumerate(body.tasks):
+            try:
+                user_id = submit_user(who, sub.user_id)
+                check_parameters_size(sub.parameters, settings.max_parameters_bytes)
+            except ServiceError as exc:
+                raise at_index(exc, i) from None
+            batch.append(Submission(sub.flow, sub.parameters, sub.priority, user_id, sub.task_id))
+        stored = svc.submit_many(batch)
+        return BatchAnswer(tasks=[BatchItem(task_id=task.task_id, created=created) for task, created in stored])
 
     @router.get("/tasks/{task_id}", response_model=TaskDocument, responses=_TASK_ERRORS)
     def get_task(task_id: TaskId, who: CallerDep, svc: Service) -> TaskDocument:

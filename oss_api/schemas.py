@@ -83,6 +83,30 @@ class SubmitRequest(BaseModel):
         return storable_parameters(value)
 
 
+# Submissions in one batch: its body stays under the request size limit for
+# small parameters, and the insert under a second.
+MAX_BATCH = 1000
+
+
+class SubmitBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tasks: list[SubmitRequest] = Field(
+        min_length=1,
+        max_length=MAX_BATCH,
+        description=f"1 to {MAX_BATCH} submissions, each as POST /api/tasks takes it; all are stored or none",
+    )
+
+
+class BatchItem(BaseModel):
+    task_id: str
+    created: bool = Field(description="False: the task_id was already stored, by the same flow and user (a replay)")
+
+
+class BatchAnswer(BaseModel):
+    tasks: list[BatchItem] = Field(description="One per submission, in the order given")
+
+
 class OperationRequest(BaseModel):
     """The optional body of retry and resume."""
 

@@ -7,3 +7,4 @@ class ServiceError(Exception):
     """A request the service refuses; ``status_code`` is its HTTP answer, ``detail`` (optional) the fields."""
 
     status_code = 400
+    detail: list[dict[str, str]] | None = None

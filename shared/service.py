@@ -12,8 +12,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from shared import metrics
@@ -74,6 +74,32 @@ class TaskNotFound(ServiceError):
     status_code = 404
 
 
+class DuplicateTaskId(ServiceError):
+    status_code = 422
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One task of a batch: what a single submit takes."""
+
+    flow: str
+    parameters: Mapping[str, Any]
+    priority: int = 0
+    user_id: str | None = None
+    task_id: str | None = None
+
+
+def at_index(exc: ServiceError, index: int) -> ServiceError:
+    """``exc`` naming the submission of a batch it is about, ``tasks[index]``, in its message and fields."""
+    exc.args = (f"tasks[{index}]: {exc}",)
+    if exc.detail is not None:
+        exc.detail = [
+            {**d, "field": f"tasks[{index}].{d['field']}" if d.get("field") else f"tasks[{index}]"}
+            for d in exc.detail
+        ]
+    return exc
+
+
 class Publisher(Protocol):
     def publish(self, message: StepMessage) -> None: ...
 
@@ -115,6 +141,32 @@ class TaskService:
         if created:
             self.dispatch(decision)
         return stored, created
+
+    def submit_many(self, batch: Sequence[Submission]) -> builtins.list[tuple[Task, bool]]:
+        """Store every task of ``batch`` at once, then dispatch the first steps of the new ones.
+
+        All or nothing: a refused submission (unknown flow, invalid parameters, an
+        id given twice, an id taken by another flow or user) stores none of them;
+        the error names the submission by its index, ``tasks[i]``.
+        """
+        decisions: builtins.list[Decision] = []
+        first_at: dict[str, int] = {}
+        for i, sub in enumerate(batch):
+            task_id = sub.task_id or uuid.uuid4().hex
+            if task_id in first_at:
+                raise DuplicateTaskId(
+                    f"tasks[{i}]: task_id {task_id!r} is also that of tasks[{first_at[task_id]}]"
+                )
+            first_at[task_id] = i
+            try:
+                decisions.append(self.prepare(sub.flow, sub.parameters, sub.priority, sub.user_id, task_id))
+            except ServiceError as exc:
+                raise at_index(exc, i) from None
+        stored = self.store.create_many([d.task for d in decisions], self.clock())
+        for decision, (_, created) in zip(decisions, stored, strict=True):
+            if created:
+                self.dispatch(decision)
+        return stored
 
     def prepare(
         self,

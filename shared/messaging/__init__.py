@@ -12,8 +12,8 @@ import os
 import signal
 import threading
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from billiard.exceptions import WorkerLostError

@@ -49,6 +49,7 @@ class InvalidSchedule(ServiceError):
     """A definition that cannot be stored; ``detail`` names each wrong field."""
 
     status_code = 422
+    detail: list[dict[str, str]]
 
     def __init__(self, problems: list[tuple[str, str]]) -> None:
         super().__init__("invalid schedule: " + "; ".join(f"{f}: {p}" for f, p in problems))

@@ -194,6 +194,15 @@ class TaskStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    def create_many(self, batch: Sequence[Task], now: float) -> list[tuple[Task, bool]]:
+        """Insert every task of ``batch`` (distinct ids) at once, as :meth:`create` would each.
+
+        All or nothing: an id already stored gives (stored task, False); if any
+        belongs to another flow or user, :class:`TaskConflict` is raised and no
+        task of the batch is stored.
+        """
+
+    @abc.abstractmethod
     def get(self, task_id: str) -> Task | None: ...
 
     @abc.abstractmethod

@@ -57,6 +57,17 @@ class InMemoryStore(TaskStore):
             self._tasks[task.task_id] = replace(task, version=1)
             return self._tasks[task.task_id], True
 
+    def create_many(self, batch: Sequence[Task], now: float) -> builtins.list[tuple[Task, bool]]:
+        with self._lock:
+            stored = [self._tasks.get(task.task_id) for task in batch]
+            for task, old in zip(batch, stored, strict=True):
+                if old is not None and not same_request(old, task):
+                    raise TaskConflict(f"task id {task.task_id!r} is already used")
+            for task, old in zip(batch, stored, strict=True):
+                if old is None:
+                    self._tasks[task.task_id] = replace(task, version=1)
+            return [(self._tasks[task.task_id], old is None) for task, old in zip(batch, stored, strict=True)]
+
     def get(self, task_id: str) -> Task | None:
         return self._tasks.get(task_id)
 

@@ -9,7 +9,7 @@ import builtins
 import os
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -52,9 +52,11 @@ from shared.storage.codec import json_text, task_from_row, task_to_row
 from shared.storage.driver import DriverStatement, autocommit_cursor
 from shared.storage.schema import attempts, metadata, task_events, tasks
 from shared.storage.statements import (
+    CREATE_NEW_TASKS,
     CREATE_TASK,
     CREATE_VALUES,
     GET_TASK,
+    GET_TASKS,
     INSERT_ATTEMPT,
     NEXT_ATTEMPT_PREFIX,
     SAVE_IN_ONE_STATEMENT,
@@ -118,6 +120,25 @@ class SqlStore(TaskStore):
             return task_from_row(row), True
         except IntegrityError:
             return self._existing(task)
+
+    def create_many(self, batch: Sequence[Task], now: float) -> builtins.list[tuple[Task, bool]]:
+        rows = [task_to_row(task, now) | {"version": 1} for task in batch]
+        with self.transaction() as conn:
+            # An id someone else committed is skipped, not an error that would undo the
+            # batch (PostgreSQL waits for a concurrent create of that id, then skips it).
+            inserted = set(conn.execute(CREATE_NEW_TASKS[self.engine.dialect.name], rows).scalars())
+            taken = [task.task_id for task in batch if task.task_id not in inserted]
+            found = {}
+            if taken:
+                found = {row.task_id: task_from_row(row) for row in conn.execute(GET_TASKS, {"b_task_ids": taken})}
+            for task in batch:
+                stored = found.get(task.task_id)
+                if task.task_id not in inserted and (stored is None or not same_request(stored, task)):
+                    raise TaskConflict(f"task id {task.task_id!r} is already used")  # the batch rolls back
+        return [
+            (task_from_row(row), True) if task.task_id in inserted else (found[task.task_id], False)
+            for task, row in zip(batch, rows, strict=True)
+        ]
 
     def _existing(self, task: Task) -> tuple[Task, bool]:
         """The stored task whose id ``task`` reused: the same request again, or a conflict."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import bindparam, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 
 from shared.storage.schema import attempts, tasks
 
@@ -21,7 +22,13 @@ SAVED_COLUMNS = tuple(c.name for c in tasks.columns if c.name not in ("task_id",
 ATTEMPT_COLUMNS = tuple(c.name for c in attempts.columns)
 
 GET_TASK = select(tasks).where(tasks.c.task_id == bindparam("b_task_id"))
+GET_TASKS = select(tasks).where(tasks.c.task_id.in_(bindparam("b_task_ids", expanding=True)))
 CREATE_TASK = insert(tasks)
+# A batch's insert: ids already stored are skipped and only the inserted ones returned.
+CREATE_NEW_TASKS = {
+    name: insert_of(tasks).on_conflict_do_nothing(index_elements=[tasks.c.task_id]).returning(tasks.c.task_id)
+    for name, insert_of in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
+}
 # Every column as a bind parameter of its own name, for a statement compiled once.
 CREATE_VALUES = {c.name: bindparam(c.name, type_=c.type) for c in tasks.columns}
 

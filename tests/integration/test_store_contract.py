@@ -134,6 +134,41 @@ class TestTaskStoreContract:
             store.create(submitted(flow=OTHER_FLOW), NOW + 1)
         assert store.get("t-1").flow == "provision"  # type: ignore[union-attr]
 
+    # --- create_many: a batch, all or nothing --------------------------------------
+
+    def test_create_many_stores_new_tasks_and_returns_stored_ones(self, store: TaskStore) -> None:
+        old, _ = store.create(submitted("old"), NOW)
+        batch = [submitted(f"n{i}", priority=i) for i in range(3)] + [submitted("old", created_at=NOW + 5)]
+        result = store.create_many(batch, NOW + 5)
+        assert result == [(replace(t, version=1), True) for t in batch[:3]] + [(old, False)]
+        for task in batch[:3]:
+            assert store.get(task.task_id) == replace(task, version=1)
+        assert store.get("old") == old
+
+    def test_create_many_with_one_conflict_stores_nothing(self, store: TaskStore) -> None:
+        store.create(submitted("taken", user_id="alice"), NOW)
+        batch = [submitted("n0"), submitted("taken", user_id="bob"), submitted("n1")]
+        with pytest.raises(TaskConflict, match="taken"):
+            store.create_many(batch, NOW)
+        assert store.get("n0") is None and store.get("n1") is None
+        assert store.get("taken").user_id == "alice"  # type: ignore[union-attr]
+
+    def test_create_many_racing_single_creates_of_its_ids(self, store: TaskStore) -> None:
+        # Whoever commits an id first owns it: the batch neither fails nor claims the others'.
+        ids = [f"r{i}" for i in range(40)]
+        singles: dict[str, bool] = {}
+
+        def create_each() -> None:
+            for task_id in reversed(ids):
+                singles[task_id] = store.create(submitted(task_id), NOW)[1]
+
+        racer = threading.Thread(target=create_each)
+        racer.start()
+        batch = store.create_many([submitted(i) for i in ids], NOW)
+        racer.join()
+        assert [t.task_id for t, _ in batch] == ids
+        assert [created + singles[task_id] for task_id, (_, created) in zip(ids, batch, strict=True)] == [1] * 40
+
     # --- save: compare-and-set on the version ---------------------------------------
 
     def test_save_with_the_current_version_writes_and_bumps_the_version(self, store: TaskStore) -> None:

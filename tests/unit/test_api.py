@@ -306,6 +306,69 @@ def test_a_streamed_body_over_max_body_bytes_is_413(api: Api) -> None:
 # --- read ------------------------------------------------------------------------------------
 
 
+# --- batch submit ---------------------------------------------------------------------------
+
+
+def test_a_batch_stores_every_task_and_publishes_each_first_step(api: Api) -> None:
+    assert api.submit({"flow": "three", "task_id": "old", "user_id": "alice"}).status_code == 201
+    tasks = [{"flow": "three", "task_id": f"b{i}", "user_id": "alice", "priority": i} for i in range(3)]
+    tasks.append({"flow": "three", "task_id": "old", "user_id": "alice"})  # a replay
+    tasks.append({"flow": "noop", "parameters": {"n": 1}})  # an id of the service's choosing
+    r = api.client.post("/api/tasks/batch", json={"tasks": tasks})
+    assert r.status_code == 200, r.text
+    answer = r.json()["tasks"]
+    assert [(t["task_id"], t["created"]) for t in answer[:4]] == [("b0", True), ("b1", True), ("b2", True), ("old", False)]
+    assert answer[4]["created"] and len(answer[4]["task_id"]) == 32
+    assert sorted(api.stored()) == sorted(["old", "b0", "b1", "b2", answer[4]["task_id"]])
+    assert api.store.get("b2").priority == 2  # type: ignore[union-attr]
+    assert api.store.get(answer[4]["task_id"]).parameters == {"n": 1}  # type: ignore[union-attr]
+    published = [(task_id, cursor) for task_id, cursor, *_ in api.published()]
+    assert published == [("old", 0), ("b0", 0), ("b1", 0), ("b2", 0), (answer[4]["task_id"], 0)]
+
+
+def test_a_batch_runs_to_the_end_like_single_submits(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = api.client.post("/api/tasks/batch", json={"tasks": [{"flow": "three", "task_id": f"r{i}"} for i in range(4)]})
+    assert r.status_code == 200, r.text
+    api.drain(monkeypatch)
+    assert {api.store.get(f"r{i}").status for i in range(4)} == {TaskStatus.SUCCESS}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("bad", "status", "message"),
+    [
+        ({"flow": "thre"}, 404, "tasks[2]: unknown flow 'thre'"),
+        ({"flow": "three", "task_id": "a0"}, 422, "tasks[2]: task_id 'a0' is also that of tasks[0]"),
+        ({"flow": "three", "task_id": "taken", "user_id": "bob"}, 409, "task id 'taken' is already used"),
+        ({"flow": "three", "parameters": {"big": "x" * PARAMETERS_LIMIT}}, 413, "tasks[2]: parameters are"),
+    ],
+)
+def test_one_refused_submission_stores_none_of_the_batch(api: Api, bad: dict[str, Any], status: int, message: str) -> None:
+    assert api.submit({"flow": "three", "task_id": "taken", "user_id": "alice"}).status_code == 201
+    before = len(api.publisher.messages)
+    tasks = [{"flow": "three", "task_id": "a0"}, {"flow": "noop", "task_id": "a1"}, bad, {"flow": "noop"}]
+    r = api.client.post("/api/tasks/batch", json={"tasks": tasks})
+    assert r.status_code == status, r.text
+    assert error_of(r).startswith(message), error_of(r)
+    assert api.stored() == ["taken"]
+    assert len(api.publisher.messages) == before
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"tasks": []}, "tasks"),
+        ({"tasks": [{"flow": "three"}] * 1001}, "tasks"),
+        ({"tasks": [{"flow": "three"}, {"flow": "three", "priority": "high"}]}, "tasks.1.priority"),
+        ({"tasks": [{"flow": "three", "colour": "red"}]}, "tasks.0.colour"),
+    ],
+)
+def test_an_invalid_batch_is_422_naming_the_field(api: Api, body: dict[str, Any], field: str) -> None:
+    r = api.client.post("/api/tasks/batch", json=body)
+    assert r.status_code == 422, r.text
+    assert field in [d["field"] for d in r.json()["detail"]], r.json()
+    assert api.stored() == []
+
+
 def test_get_an_unknown_task_is_404(api: Api) -> None:
     r = api.client.get("/api/tasks/nope")
     assert r.status_code == 404

@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Intake: flows accepted per second, one per request and in batches.
+
+Starts `asyncflow api` alone (no worker, no scheduler: what is measured is the
+intake, each first step left on its module's queue) on a fresh backend, then runs
+two phases of `--seconds` each, with `--clients` client processes over keep-alive
+connections, alternating `--rounds` times:
+
+  single  POST /api/tasks, one `noop` flow per request
+  batch   POST /api/tasks/batch, `--batch` `noop` flows per request
+
+Each accepted task is stored and its first step published before the answer. At
+the end the tasks in the database are counted against those the clients were told
+were created. Prints tasks/s, request latency, CPU per task of the API and of the
+servers, and the machine. SPEC §12: batch submits ≥ 15,000 tasks/s.
+
+    .venv/bin/python benchmarks/intake.py --backend postgres-rabbitmq --clients 4 --batch 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import pct  # noqa: E402
+from stack import SetupError, Stack, log, machine_info, make_backend, servers_cpu  # noqa: E402
+
+
+def client_loop(job: tuple[str, int, float, int]) -> tuple[int, int, list[float]]:
+    url, batch, seconds, client = job
+    created = errors = 0
+    latencies: list[float] = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        end = time.monotonic() + seconds
+        n = 0
+        while time.monotonic() < end:
+            n += 1
+            t0 = time.perf_counter()
+            if batch:
+                body = {"tasks": [{"flow": "noop", "parameters": {"client": client, "n": n}}] * batch}
+                answer = http.post("/api/tasks/batch", json=body)
+                ok = answer.status_code == 200
+                created += sum(t["created"] for t in answer.json()["tasks"]) if ok else 0
+            else:
+                answer = http.post("/api/tasks", json={"flow": "noop", "parameters": {"client": client, "n": n}})
+                ok = answer.status_code == 201
+                created += ok
+            latencies.append(time.perf_counter() - t0)
+            errors += not ok
+    return created, errors, latencies
+
+
+def phase(pool: Any, stack: Stack, batch: int, clients: int, seconds: float) -> dict[str, Any]:
+    api_before, servers_before = stack.cpu().get("api", 0.0), servers_cpu()
+    started = time.monotonic()
+    results = pool.map(client_loop, [(stack.url, batch, seconds, c) for c in range(clients)])
+    wall = time.monotonic() - started
+    servers_after = servers_cpu()
+    created = sum(r[0] for r in results)
+    lat = sorted(x for r in results for x in r[2])
+    per_task = 1000 / max(created, 1)
+    return {
+        "tasks": created, "errors": sum(r[1] for r in results), "tasks_per_s": created / wall,
+        "requests": len(lat), "p50_ms": (pct(lat, 50) or 0) * 1000, "p99_ms": (pct(lat, 99) or 0) * 1000,
+        "api_cpu_ms": (stack.cpu().get("api", 0.0) - api_before) * per_task,
+        "servers_cpu_ms": {k: (servers_after[k] - servers_before[k]) * per_task for k in servers_after},
+    }
+
+
+def stored_tasks(database_url: str) -> int:
+    from sqlalchemy import func, select
+
+    from shared.storage import open_store
+    from shared.storage.schema import tasks
+
+    store = open_store(database_url)
+    try:
+        with store.transaction(read_only=True) as conn:
+            return int(conn.execute(select(func.count()).select_from(tasks)).scalar_one())
+    finally:
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=["postgres-rabbitmq", "postgres-redis", "embedded"],
+                        default="postgres-rabbitmq")
+    parser.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
+    parser.add_argument("--batch", type=int, default=500, help="flows per batch request (default 500)")
+    parser.add_argument("--seconds", type=float, default=10, help="seconds per phase (default 10)")
+    parser.add_argument("--rounds", type=int, default=2, help="single, batch alternations (default 2)")
+    parser.add_argument("--api-workers", type=int, default=1, help="API processes (asyncflow api --workers)")
+    parser.add_argument("--postgres-admin-url", default=None)
+    parser.add_argument("--rabbitmq-vhost", default=None)
+    parser.add_argument("--redis-db", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    home = Path(tempfile.mkdtemp(prefix="af-intake-"))
+    backend = make_backend(args)
+    stack = None
+    runs: list[tuple[str, dict[str, Any]]] = []
+    warm_up = 0
+    try:
+        stack = Stack(home, backend, concurrency=1, log_level="WARNING")
+        done = subprocess.run(
+            [sys.executable, "-m", "asyncflow", "db", "upgrade"],
+            env=stack.env, cwd=home, capture_output=True, text=True, timeout=180,
+        )
+        if done.returncode != 0:
+            raise SetupError(done.stderr)
+        stack.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
+        stack.spawn("api", "api", "--port", str(stack.port), "--workers", str(args.api_workers))
+        stack.wait_healthy(60)
+        with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
+            warm_up = sum(r[0] for r in pool.map(client_loop, [(stack.url, 2, 0.5, c) for c in range(args.clients)]))
+            for r in range(args.rounds):
+                for name, batch in (("single", 0), ("batch", args.batch)):
+                    log(f"round {r + 1}: {name}")
+                    runs.append((name, phase(pool, stack, batch, args.clients, args.seconds)))
+        stack.check_alive()
+        database_url = stack.env.get("ASYNCFLOW_DATABASE_URL") or f"sqlite:///{home / 'asyncflow.sqlite'}"
+        stored = stored_tasks(database_url)
+    except SetupError as exc:
+        log(f"setup failed: {exc}")
+        return 3
+    finally:
+        if stack is not None:
+            stack.stop()
+        backend.cleanup()
+
+    m = machine_info()
+    print(f"machine : {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; {m['os']}, kernel {m['kernel']}; "
+          f"Python {m['python']}; load {m['loadavg_at_start']}")
+    print(f"backend : {args.backend} {backend.versions}; `asyncflow api --workers {args.api_workers}`; "
+          f"{args.clients} client processes on the same machine, {args.seconds:g} s per phase")
+    for name, r in runs:
+        servers = ", ".join(f"{k} {v:.3f}" for k, v in r["servers_cpu_ms"].items() if v)
+        label = f"batch of {args.batch}" if name == "batch" else "single"
+        print(f"{label:<14}: {r['tasks_per_s']:8.0f} tasks/s ({r['tasks']} created, {r['errors']} failed requests); "
+              f"request p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; CPU ms/task: api {r['api_cpu_ms']:.3f}, "
+              f"{servers}")
+    for name in ("single", "batch"):
+        rates = [r["tasks_per_s"] for n, r in runs if n == name]
+        print(f"median {name}: {statistics.median(rates):.0f} tasks/s")
+    accepted = sum(r["tasks"] for _, r in runs) + warm_up
+    print(f"stored  : {stored} tasks in the database; the clients were told {accepted} were created")
+    return 0 if stored == accepted and all(r["errors"] == 0 for _, r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
