@@ -103,11 +103,30 @@ def at_index(exc: ServiceError, index: int) -> ServiceError:
 class Publisher(Protocol):
     def publish(self, message: StepMessage) -> None: ...
 
+    def publish_many(self, messages: Sequence[StepMessage]) -> builtins.list[tuple[StepMessage, Exception]]:
+        """Publish each of ``messages``; those not known to be published are returned, with why."""
+        ...
+
     def alarm(self, alarm: Alarm) -> None: ...
 
     def healthy(self) -> bool:
         """False while the broker is known to be down (publishing is pointless)."""
         ...
+
+
+class SinglePublisher(Protocol):
+    def publish(self, message: StepMessage) -> None: ...
+
+
+def publish_each(publisher: SinglePublisher, messages: Sequence[StepMessage]) -> builtins.list[tuple[StepMessage, Exception]]:
+    """``publish_many`` for a publisher with nothing to share between messages: one at a time."""
+    failed = []
+    for message in messages:
+        try:
+            publisher.publish(message)
+        except Exception as exc:
+            failed.append((message, exc))
+    return failed
 
 
 class TaskService:
@@ -139,7 +158,7 @@ class TaskService:
         decision = self.prepare(flow_name, parameters, priority, user_id, task_id or uuid.uuid4().hex)
         stored, created = self.store.create(decision.task, self.clock())
         if created:
-            self.dispatch(decision)
+            self.dispatch([decision])
         return stored, created
 
     def submit_many(self, batch: Sequence[Submission]) -> builtins.list[tuple[Task, bool]]:
@@ -163,9 +182,7 @@ class TaskService:
             except ServiceError as exc:
                 raise at_index(exc, i) from None
         stored = self.store.create_many([d.task for d in decisions], self.clock())
-        for decision, (_, created) in zip(decisions, stored, strict=True):
-            if created:
-                self.dispatch(decision)
+        self.dispatch([decision for decision, (_, created) in zip(decisions, stored, strict=True) if created])
         return stored
 
     def prepare(
@@ -191,11 +208,17 @@ class TaskService:
         task = new_task(task_id, flow, parameters, now, priority, user_id)
         return decide(task, Submit(), now, self.timing)
 
-    def dispatch(self, decision: Decision) -> None:
-        """Publish the first message of a task :meth:`prepare` made, once it is stored."""
-        metrics.SUBMITTED.labels(decision.task.flow).inc()
-        log.info("task submitted", extra={"task_id": decision.task.task_id, "flow": decision.task.flow})
-        self._publish(decision)
+    def dispatch(self, decisions: Sequence[Decision]) -> None:
+        """Publish the first messages of tasks :meth:`prepare` made, once they are stored.
+
+        Published together: on RabbitMQ the batch waits once for the broker's
+        confirms, not once per message.
+        """
+        for decision in decisions:
+            metrics.SUBMITTED.labels(decision.task.flow).inc()
+            log.info("task submitted", extra={"task_id": decision.task.task_id, "flow": decision.task.flow})
+        for message, exc in self.publisher.publish_many([m for d in decisions for m in d.messages]):
+            self._publish_failed(message, exc)
 
     # --- transitions ---------------------------------------------------------
 

@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -253,10 +253,48 @@ class BrokerUnavailable(Exception):
     """A publish failed moments ago; not trying again until the pause is over."""
 
 
+class Confirms:
+    """RabbitMQ's answers to the messages published on a channel in confirm mode, by delivery tag.
+
+    The n-th message published on the channel has tag n; an answer may cover every
+    tag up to its own (``multiple``).
+    """
+
+    def __init__(self, channel: Any) -> None:
+        self._answered = 0  # every tag up to this one is answered
+        self._answers: dict[int, bool] = {}
+        channel.confirm_select()
+        channel.events["basic_ack"].add(lambda tag, multiple: self._answer(tag, multiple, True))
+        channel.events["basic_nack"].add(lambda tag, multiple: self._answer(tag, multiple, False))
+
+    def _answer(self, tag: int, multiple: bool, ok: bool) -> None:
+        for each in range(self._answered + 1, tag + 1) if multiple else (tag,):
+            self._answers.setdefault(each, ok)
+        while self._answered + 1 in self._answers:
+            self._answered += 1
+
+    def acked(self, tag: int) -> bool:
+        return self._answers.get(tag, False)
+
+    def wait(self, conn: Any, count: int, timeout: float) -> None:
+        """Until the first ``count`` tags are answered, or ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self._answered < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                conn.drain_events(timeout=left)
+            except TimeoutError:
+                return
+
+
 class CeleryPublisher:
     # After a failed publish, fail fast for this long: the database holds the
     # message and the scheduler publishes it once the broker answers again.
     PAUSE_AFTER_FAILURE = 2.0
+    # How long a batch waits for RabbitMQ's confirms before counting the rest as failed.
+    CONFIRM_TIMEOUT = 10.0
 
     def __init__(self, app: Celery, settings: Settings) -> None:
         self.app = app
@@ -274,24 +312,64 @@ class CeleryPublisher:
         if not self.healthy():
             raise BrokerUnavailable("the broker failed a publish moments ago")
         try:
-            self.app.send_task(
-                STEP_TASK,
-                args=[replace(message, sent_at=time.time()).to_payload()],
-                queue=queue_name(message.module),
-                priority=self._level(message),
-                # Limits of the delivery, which may go on with the flow's next steps: each
-                # attempt has its own limits (RunningSteps.call); the soft
-                # limit is the backstop, the hard one kills the process.
-                soft_time_limit=message.timeout + self.continue_within,
-                time_limit=message.timeout + self.continue_within + self.grace,
-                # What Celery's logs show for the message: which step of which task. Celery
-                # would otherwise render the whole payload, Parameters included, per publish.
-                argsrepr=f"{message.task_id} step {message.cursor} seq {message.seq}",
-                kwargsrepr="",
-            )
+            self._send(message)
         except Exception:
             self._paused_until = time.monotonic() + self.PAUSE_AFTER_FAILURE
             raise
+
+    def publish_many(self, messages: Sequence[StepMessage]) -> list[tuple[StepMessage, Exception]]:
+        """All of ``messages`` on one connection; on RabbitMQ, the confirms waited for once, at the end.
+
+        Per message, a confirmed publish waits for the broker's answer: a round
+        trip each. Here the channel is put in confirm mode and the messages are
+        sent back to back; those RabbitMQ did not confirm (nacked, or no answer
+        before the timeout, or the connection lost) are returned as failed.
+        """
+        if not messages:
+            return []
+        if not self.healthy():
+            down = BrokerUnavailable("the broker failed a publish moments ago")
+            return [(message, down) for message in messages]
+        confirms: Confirms | None = None
+        sent = 0
+        try:
+            # Without confirm_publish, a publish does not wait; confirm mode is set on the channel below.
+            with self.app.connection_for_write(transport_options={"confirm_publish": False}) as conn:
+                producer = self.app.amqp.Producer(conn)
+                if conn.transport.driver_type == "amqp":
+                    confirms = Confirms(producer.channel)
+                for message in messages:
+                    self._send(message, producer)
+                    sent += 1
+                if confirms is not None:
+                    confirms.wait(conn, len(messages), self.CONFIRM_TIMEOUT)
+        except Exception as exc:
+            self._paused_until = time.monotonic() + self.PAUSE_AFTER_FAILURE
+            if confirms is None:  # the ones sent before the failure are on the broker
+                return [(message, exc) for message in messages[sent:]]
+            return [(message, exc) for i, message in enumerate(messages) if not confirms.acked(i + 1)]
+        if confirms is None:
+            return []
+        refused = BrokerUnavailable("RabbitMQ did not confirm the message")
+        return [(m, refused) for i, m in enumerate(messages) if not confirms.acked(i + 1)]
+
+    def _send(self, message: StepMessage, producer: Any = None) -> None:
+        self.app.send_task(
+            STEP_TASK,
+            args=[replace(message, sent_at=time.time()).to_payload()],
+            queue=queue_name(message.module),
+            priority=self._level(message),
+            # Limits of the delivery, which may go on with the flow's next steps: each
+            # attempt has its own limits (RunningSteps.call); the soft
+            # limit is the backstop, the hard one kills the process.
+            soft_time_limit=message.timeout + self.continue_within,
+            time_limit=message.timeout + self.continue_within + self.grace,
+            # What Celery's logs show for the message: which step of which task. Celery
+            # would otherwise render the whole payload, Parameters included, per publish.
+            argsrepr=f"{message.task_id} step {message.cursor} seq {message.seq}",
+            kwargsrepr="",
+            producer=producer,
+        )
 
     def _level(self, message: StepMessage) -> int:
         level = delivery_priority(message)

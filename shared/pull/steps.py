@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -28,7 +28,7 @@ from shared.flows import FlowSet, ModuleDecl
 from shared.module import idempotency_key
 from shared.pull.rules import InvalidReport, PullStatus, PullTask, Report, TaskType
 from shared.saga import Event, Failed, Heartbeat, PollLater, Started, Succeeded, message_for
-from shared.service import Publisher, TaskNotFound, TaskService
+from shared.service import Publisher, TaskNotFound, TaskService, publish_each
 from shared.states import StepType
 from shared.storage import PullStore
 from shared.task import Alarm, StepMessage, Task
@@ -186,6 +186,11 @@ class RoutingPublisher:
             self.queue.publish(message)
         else:
             self.broker.publish(message)
+
+    def publish_many(self, messages: Sequence[StepMessage]) -> list[tuple[StepMessage, Exception]]:
+        pulled = [m for m in messages if m.module in self.queue.modules]
+        failed = publish_each(self.queue, pulled)
+        return failed + self.broker.publish_many([m for m in messages if m.module not in self.queue.modules])
 
     def alarm(self, alarm: Alarm) -> None:
         self.broker.alarm(alarm)

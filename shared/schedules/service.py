@@ -348,8 +348,7 @@ class ScheduleService:
         return firing, made
 
     def _after(self, before: Schedule, plan: Plan, made: builtins.list[Decision], now: float) -> None:
-        for decision in made:
-            self.tasks.dispatch(decision)
+        self.tasks.dispatch(made)
         for run in plan.runs:
             metrics.SCHEDULE_RUNS.labels(run.state.value).inc()
             extra = {"schedule_id": run.schedule_id, "task_id": run.task_id, "scheduled_at": run.scheduled_at}

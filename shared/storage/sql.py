@@ -124,21 +124,10 @@ class SqlStore(TaskStore):
     def create_many(self, batch: Sequence[Task], now: float) -> builtins.list[tuple[Task, bool]]:
         rows = [task_to_row(task, now) | {"version": 1} for task in batch]
         with self.transaction() as conn:
-            # An id someone else committed is skipped, not an error that would undo the
-            # batch (PostgreSQL waits for a concurrent create of that id, then skips it).
             inserted = set(conn.execute(CREATE_NEW_TASKS[self.engine.dialect.name], rows).scalars())
             taken = [task.task_id for task in batch if task.task_id not in inserted]
-            found = {}
-            if taken:
-                found = {row.task_id: task_from_row(row) for row in conn.execute(GET_TASKS, {"b_task_ids": taken})}
-            for task in batch:
-                stored = found.get(task.task_id)
-                if task.task_id not in inserted and (stored is None or not same_request(stored, task)):
-                    raise TaskConflict(f"task id {task.task_id!r} is already used")  # the batch rolls back
-        return [
-            (task_from_row(row), True) if task.task_id in inserted else (found[task.task_id], False)
-            for task, row in zip(batch, rows, strict=True)
-        ]
+            found = [task_from_row(row) for row in conn.execute(GET_TASKS, {"b_task_ids": taken})] if taken else []
+            return batch_created(batch, rows, inserted, found)  # raising, it rolls the batch back
 
     def _existing(self, task: Task) -> tuple[Task, bool]:
         """The stored task whose id ``task`` reused: the same request again, or a conflict."""
@@ -348,6 +337,28 @@ def _residual_conditions(q: TaskQuery, window: Subquery) -> list[ColumnElement[b
     return conditions
 
 
+def batch_created(
+    batch: Sequence[Task], rows: Sequence[dict[str, Any]], inserted: set[str], found: Iterable[Task]
+) -> builtins.list[tuple[Task, bool]]:
+    """What create_many answers, once the rows the batch ``inserted`` are known and the others ``found``.
+
+    The insert skips an id someone else committed, instead of failing and undoing
+    the batch (PostgreSQL waits for a concurrent create of that id, then skips it);
+    such a task must be the same request again. Raises :class:`TaskConflict` if not.
+    """
+    stored = {task.task_id: task for task in found}
+    answer = []
+    for task, row in zip(batch, rows, strict=True):
+        if task.task_id in inserted:
+            answer.append((task_from_row(row), True))
+            continue
+        old = stored.get(task.task_id)
+        if old is None or not same_request(old, task):
+            raise TaskConflict(f"task id {task.task_id!r} is already used")
+        answer.append((old, False))
+    return answer
+
+
 def _cursor_of(task: Task) -> Cursor:
     return (task.created_at, task.task_id)
 
@@ -408,6 +419,7 @@ class PostgresStore(SqlStore):
         self._get = DriverStatement(GET_TASK, self.engine)
         self._create = DriverStatement(CREATE_TASK.values(CREATE_VALUES), self.engine)
         self._save = {kind: DriverStatement(s, self.engine) for kind, s in SAVE_IN_ONE_STATEMENT.items()}
+        self._create_new = DriverStatement(CREATE_NEW_TASKS["postgresql"].values(CREATE_VALUES), self.engine)
 
     def _make_engine(self, url: str) -> Engine:
         # Connections are kept, not opened per burst: a new PostgreSQL connection costs
@@ -426,6 +438,24 @@ class PostgresStore(SqlStore):
             return task_from_row(row), True
         except psycopg.IntegrityError:
             return self._existing(task)
+
+    def create_many(self, batch: Sequence[Task], now: float) -> builtins.list[tuple[Task, bool]]:
+        rows = [task_to_row(task, now) | {"version": 1} for task in batch]
+        insert_new, read = self._create_new, self._get
+        with autocommit_cursor(self.engine) as cursor, cursor.connection.transaction():
+            # One statement, run for each row in a pipeline: one round trip, parsed once.
+            cursor.executemany(insert_new.sql, [insert_new.params(row) for row in rows], returning=True)
+            inserted: set[str] = set()
+            while True:
+                inserted.update(row["task_id"] for row in cursor.fetchall())
+                if not cursor.nextset():
+                    break
+            found = []
+            for task in batch:  # replays, rare: one read each
+                if task.task_id not in inserted:
+                    row = cursor.execute(read.sql, read.params({"b_task_id": task.task_id})).fetchone()
+                    found.extend([task_from_row(row)] if row is not None else [])
+            return batch_created(batch, rows, inserted, found)
 
     def get(self, task_id: str) -> Task | None:
         with autocommit_cursor(self.engine) as cursor:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
+from shared.service import publish_each
 from shared.task import Alarm, StepMessage
 
 
@@ -16,6 +18,9 @@ class QueuePublisher:
 
     def publish(self, message: StepMessage) -> None:
         self.messages.append(message)
+
+    def publish_many(self, messages: Sequence[StepMessage]) -> list[tuple[StepMessage, Exception]]:
+        return publish_each(self, messages)
 
     def alarm(self, alarm: Alarm) -> None:
         self.alarms.append(alarm)

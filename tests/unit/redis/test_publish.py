@@ -147,3 +147,12 @@ def test_a_flow_under_way_is_delivered_before_new_ones_then_by_task_priority(
         publisher.publish(message)
     delivered = [StepMessage.from_payload(task_args(e)[0]).task_id for e in envelopes(redis_client, "asyncflow.alpha")]
     assert delivered == PRIORITY_ORDER
+
+
+def test_publish_many_puts_each_message_as_publish_would(
+    make_publisher: MakePublisher, redis_client: fakeredis.FakeRedis
+) -> None:
+    sent = priority_examples()
+    assert make_publisher().publish_many(sent) == []
+    payloads = [StepMessage.from_payload(task_args(e)[0]) for e in envelopes(redis_client, "asyncflow.alpha")]
+    assert sorted(p.task_id for p in payloads) == sorted(m.task_id for m in sent)

@@ -1,0 +1,92 @@
+"""A batch published on RabbitMQ: sent back to back, RabbitMQ's confirms waited for once."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kombu import Connection, Queue
+
+from shared.config import Settings
+from shared.messaging import (
+    MAX_PRIORITY,
+    BrokerUnavailable,
+    CeleryPublisher,
+    Confirms,
+    make_celery,
+    queue_name,
+)
+from shared.task import StepMessage
+from tests.e2e.conftest import _drop_vhost, _rabbitmq_url
+from tests.e2e.stack import free_port
+from tests.integration.test_priority_rabbitmq import task_args_of
+from tests.unit.redis.support import PRIORITY_ORDER, priority_examples, step_message
+
+
+@pytest.fixture
+def broker_url() -> Iterator[str]:
+    url, vhost = _rabbitmq_url()
+    try:
+        yield url
+    finally:
+        _drop_vhost(vhost)
+
+
+@pytest.mark.rabbitmq
+def test_a_batch_lands_whole_and_keeps_the_delivery_order(broker_url: str, tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path, broker_url=broker_url)
+    app = make_celery(settings)
+    publisher = CeleryPublisher(app, settings)
+    bulk = [step_message("alpha", seq=1, task_id=f"bulk-{i}", cursor=0, priority=-10) for i in range(300)]
+    assert publisher.publish_many(priority_examples() + bulk) == []
+
+    queue = Queue(queue_name("alpha"), routing_key=queue_name("alpha"), queue_arguments={"x-max-priority": MAX_PRIORITY})
+    delivered = []
+    with Connection(broker_url) as conn, conn.SimpleQueue(queue) as simple:
+        for _ in range(len(PRIORITY_ORDER) + len(bulk)):
+            message = simple.get(timeout=10)
+            delivered.append(StepMessage.from_payload(task_args_of(message.body)[0]).task_id)
+            message.ack()
+        assert simple.qsize() == 0
+    assert delivered[: len(PRIORITY_ORDER)] == PRIORITY_ORDER
+    assert sorted(delivered[len(PRIORITY_ORDER) :]) == sorted(m.task_id for m in bulk)
+    app.close()
+
+
+def test_a_batch_with_the_broker_unreachable_comes_back_whole_as_failed(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path, broker_url=f"amqp://guest:guest@127.0.0.1:{free_port()}//")
+    app = make_celery(settings)
+    app.conf.broker_connection_timeout = 1
+    app.conf.broker_connection_retry = False
+    publisher = CeleryPublisher(app, settings)
+    batch = priority_examples()
+    failed = publisher.publish_many(batch)
+    assert [m for m, _ in failed] == batch
+    assert not publisher.healthy()
+    # While paused, a batch fails at once without trying the broker.
+    assert all(isinstance(exc, BrokerUnavailable) for _, exc in publisher.publish_many(batch))
+    app.close()
+
+
+class Channel:
+    def __init__(self) -> None:
+        self.events: defaultdict[str, set[Any]] = defaultdict(set)
+
+    def confirm_select(self) -> None:
+        pass
+
+    def answer(self, kind: str, tag: int, multiple: bool = False) -> None:
+        for callback in self.events[kind]:
+            callback(tag, multiple)
+
+
+def test_confirms_count_single_and_multiple_answers_and_nacks() -> None:
+    channel = Channel()
+    confirms = Confirms(channel)
+    channel.answer("basic_ack", 3, multiple=True)  # 1 to 3
+    channel.answer("basic_nack", 5)  # 4 still unanswered
+    channel.answer("basic_ack", 7, multiple=True)  # 4 and 6, 7; 5 stays nacked
+    assert [confirms.acked(tag) for tag in range(1, 9)] == [True, True, True, True, False, True, True, False]
