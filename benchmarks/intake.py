@@ -7,7 +7,7 @@ two phases of `--seconds` each, with `--clients` client processes over keep-aliv
 connections, alternating `--rounds` times:
 
   single  POST /api/tasks, one `noop` flow per request
-  batch   POST /api/tasks/batch, `--batch` `noop` flows per request
+  batch   POST /api/batches, `--batch` `noop` flows per request
 
 Each accepted task is stored and its first step published before the answer. At
 the end the tasks in the database are counted against those the clients were told
@@ -48,7 +48,7 @@ def client_loop(job: tuple[str, int, float, int]) -> tuple[int, int, list[float]
             t0 = time.perf_counter()
             if batch:
                 body = {"tasks": [{"flow": "noop", "parameters": {"client": client, "n": n}}] * batch}
-                answer = http.post("/api/tasks/batch", json=body)
+                answer = http.post("/api/batches", json=body)
                 ok = answer.status_code == 200
                 created += sum(t["created"] for t in answer.json()["tasks"]) if ok else 0
             else:

@@ -201,7 +201,7 @@ def _task_routes(runtime: Runtime) -> APIRouter:
         return TaskDocument.of(task)
 
     @router.post(
-        "/tasks/batch",
+        "/batches",
         response_model=BatchAnswer,
         responses=errors.answers(
             400,

@@ -57,7 +57,26 @@ def install(app: FastAPI) -> None:
 
 def document(app: FastAPI) -> dict[str, Any]:
     """The OpenAPI document of ``app`` (FastAPI's, built once and kept), finished."""
-    return without_framework_422(FastAPI.openapi(app))
+    schema = without_framework_422(FastAPI.openapi(app))
+    schema.setdefault("components", {}).setdefault("schemas", {})[PARAMETER_VALUE] = _PARAMETER_VALUE
+    return schema
+
+
+# What a value inside ``parameters`` may be, at any depth (oss_api.schemas points to it).
+PARAMETER_VALUE = "ParameterValue"
+_NO_NUL = {"pattern": r"^[^\x00]*$"}
+_ANY_VALUE = {"$ref": f"#/components/schemas/{PARAMETER_VALUE}"}
+_PARAMETER_VALUE: dict[str, Any] = {
+    "description": "A JSON value with no NUL character in any string or key, at any depth",
+    "anyOf": [
+        {"type": "string", **_NO_NUL},
+        {"type": "number"},
+        {"type": "boolean"},
+        {"type": "null"},
+        {"type": "array", "items": _ANY_VALUE},
+        {"type": "object", "propertyNames": _NO_NUL, "additionalProperties": _ANY_VALUE},
+    ],
+}
 
 
 def without_framework_422(schema: dict[str, Any]) -> dict[str, Any]:

@@ -36,8 +36,11 @@ UserId = Annotated[
 ]
 
 # Keys and strings anywhere in parameters: no NUL (PostgreSQL cannot store it); the
-# document says so for the top-level keys, json_problem checks every level.
-_PARAMETERS_SCHEMA: JsonDict = {"propertyNames": {"pattern": r"^[^\x00]*$"}}
+# document says so at every level (oss_api.docs), json_problem checks it.
+_PARAMETERS_SCHEMA: JsonDict = {
+    "propertyNames": {"pattern": r"^[^\x00]*$"},
+    "additionalProperties": {"$ref": "#/components/schemas/ParameterValue"},
+}
 
 
 def path_id(pattern: str, what: str) -> Any:

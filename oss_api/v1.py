@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from oss_api.auth import Caller, Forbidden, request_caller
 from oss_api.errors import answers
+from oss_api.schemas import MAX_BATCH
 from shared.names import NAME
 from shared.pull.rules import (
     MAX_CONTENT_BYTES,
@@ -28,10 +29,10 @@ from shared.pull.rules import (
     Report,
     TaskType,
 )
-from shared.pull.service import PullService, ReservedTaskType, UnknownTaskType
+from shared.pull.service import NewPullTask, PullService, ReservedTaskType, UnknownTaskType
 from shared.pull.steps import InvalidStepReport
 from shared.runtime import Runtime
-from shared.service import TaskNotFound
+from shared.service import DuplicateTaskId, TaskNotFound, at_index
 from shared.storable import json_problem
 from shared.storage import StorageUnavailable, TaskConflict
 
@@ -77,6 +78,12 @@ class CreateTaskData(_Body):
 
 class CreateTask(_Body):
     task_data: CreateTaskData
+
+
+class CreateTasks(_Body):
+    task_list: list[CreateTaskData] = Field(
+        min_length=1, max_length=MAX_BATCH, description=f"1 to {MAX_BATCH} tasks, each as create_task's task_data"
+    )
 
 
 class TaskTypeData(_Body):
@@ -159,6 +166,12 @@ class TaskData(BaseModel):
 
 class CreatedAnswer(Answer):
     task_id: str | None = Field(default=None, description="The new (or replayed) task's id")
+
+
+class CreatedListAnswer(Answer):
+    task_id_list: list[str] | None = Field(
+        default=None, description="The tasks' ids in the order given (a replayed id is the stored task's)"
+    )
 
 
 class TaskAnswer(Answer):
@@ -287,7 +300,7 @@ def _answer(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return fail("NOT_FOUND", str(exc))
     except (TaskConflict, InvalidReport, ReservedTaskType) as exc:
         return fail("CONFLICT", str(exc))
-    except InvalidStepReport as exc:
+    except (InvalidStepReport, DuplicateTaskId) as exc:
         return fail("INPUT_INVALID", str(exc))
     except Forbidden as exc:
         return fail("FORBIDDEN", str(exc))
@@ -320,22 +333,44 @@ def v1_routes(runtime: Runtime) -> APIRouter:
     def ping() -> dict[str, Any]:
         return ok()
 
+    def owned(who: Caller, data: CreateTaskData) -> str:
+        """The user_id a new task gets: the one asked for by an admin, else the caller's own."""
+        if who.admin:
+            return data.user_id
+        if data.user_id and data.user_id != who.user:
+            raise Forbidden("cannot create tasks for another user")
+        return who.user or ""
+
     @router.post("/create_task", **_documented(CreatedAnswer, CreateTask))
     async def create_task(request: Request) -> dict[str, Any]:
         who = request_caller(request)
         def call(body: CreateTask) -> dict[str, Any]:
             data = body.task_data
-            user = data.user_id
-            if not who.admin:
-                if user and user != who.user:
-                    raise Forbidden("cannot create tasks for another user")
-                user = who.user or ""
             task, _ = service().create(
-                data.task_type, data.task_content, user, data.task_priority, data.task_stage, data.task_id
+                data.task_type, data.task_content, owned(who, data), data.task_priority, data.task_stage, data.task_id
             )
             return ok(task_id=task.task_id)
 
         return await _post(request, CreateTask, call)
+
+    @router.post("/create_tasks", **_documented(CreatedListAnswer, CreateTasks))
+    async def create_tasks(request: Request) -> dict[str, Any]:
+        """Up to 1,000 tasks in one call, stored in one transaction: all of them or, on any error, none."""
+        who = request_caller(request)
+        def call(body: CreateTasks) -> dict[str, Any]:
+            batch = []
+            for i, data in enumerate(body.task_list):
+                try:
+                    user = owned(who, data)
+                except Forbidden as exc:
+                    raise at_index(exc, i) from None
+                batch.append(
+                    NewPullTask(data.task_type, data.task_content, user, data.task_priority, data.task_stage, data.task_id)
+                )
+            stored = service().create_many(batch)
+            return ok(task_id_list=[task.task_id for task, _ in stored])
+
+        return await _post(request, CreateTasks, call)
 
     @router.post("/register_task_type", **_documented(Answer, RegisterTaskType))
     async def register_task_type(request: Request) -> dict[str, Any]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shared import metrics
@@ -18,12 +19,24 @@ from shared.pull.rules import (
     new_pull_task,
     reported,
 )
-from shared.service import ServiceError, TaskNotFound
+from shared.service import DuplicateTaskId, ServiceError, TaskNotFound, at_index
 from shared.storage import PullStore
 from shared.transition import compare_and_set
 
 if TYPE_CHECKING:
     from shared.pull.steps import StepLeases
+
+
+@dataclass(frozen=True)
+class NewPullTask:
+    """One task of a batch: what create_task takes."""
+
+    task_type: str
+    content: str = ""
+    user_id: str = ""
+    priority: int = 0
+    stage: str = ""
+    task_id: str | None = None
 
 
 class UnknownTaskType(ServiceError):
@@ -100,6 +113,31 @@ class PullService:
         if created[1]:
             metrics.V1_CREATED.labels(task_type).inc()
         return created
+
+    def create_many(self, batch: Sequence[NewPullTask]) -> list[tuple[PullTask, bool]]:
+        """Store every task of ``batch`` at once, or none: the error names the refused one, ``tasks[i]``."""
+        now = self.clock()
+        configs: dict[str, TaskType] = {}
+        first_at: dict[str, int] = {}
+        tasks = []
+        for i, new in enumerate(batch):
+            task_id = new.task_id or f"{uuid.uuid4().hex}_{new.task_type}"[:MAX_TASK_ID]
+            try:
+                if task_id in first_at:
+                    raise DuplicateTaskId(f"task_id {task_id!r} is also that of tasks[{first_at[task_id]}]")
+                config = configs.get(new.task_type)
+                if config is None:
+                    self._not_reserved(new.task_type, "its tasks are the steps of flows; submit a flow")
+                    config = configs[new.task_type] = self.task_type(new.task_type)
+            except ServiceError as exc:
+                raise at_index(exc, i) from None
+            first_at[task_id] = i
+            tasks.append(new_pull_task(task_id, config, new.user_id, new.stage, new.content, new.priority, now))
+        stored = self.store.create_many(tasks)
+        for task, created in stored:
+            if created:
+                metrics.V1_CREATED.labels(task.task_type).inc()
+        return stored
 
     def types(self) -> list[TaskType]:
         """Registered task types and those of pull-mode modules, by name."""

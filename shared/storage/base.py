@@ -7,7 +7,7 @@ import builtins
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from shared.pull.rules import PullTask, TaskType
@@ -271,6 +271,36 @@ def same_request(stored: Task, task: Task) -> bool:
     return stored.flow == task.flow and stored.user_id == task.user_id
 
 
+def same_pull_request(stored: PullTask, task: PullTask) -> bool:
+    return stored.task_type == task.task_type and stored.user_id == task.user_id
+
+
+Created = TypeVar("Created", Task, PullTask)
+
+
+def batch_created(
+    batch: Sequence[Created], inserted: set[str], found: Iterable[Created], same: Callable[[Created, Created], bool]
+) -> list[tuple[Created, bool]]:
+    """What a create_many answers once it knows the ids it ``inserted`` and the stored tasks ``found`` for the rest.
+
+    Its insert skips an id already stored instead of failing and undoing the batch
+    (PostgreSQL waits for a concurrent create of that id, then skips it). Such a
+    task must be the ``same`` request again: if not, :class:`TaskConflict` is raised
+    before anything is committed, so that none of the batch is stored.
+    """
+    stored = {task.task_id: task for task in found}
+    answer = []
+    for task in batch:
+        if task.task_id in inserted:
+            answer.append((replace(task, version=1), True))
+            continue
+        old = stored.get(task.task_id)
+        if old is None or not same(old, task):
+            raise TaskConflict(f"task id {task.task_id!r} is already used")
+        answer.append((old, False))
+    return answer
+
+
 @dataclass(frozen=True)
 class TypeSummary:
     """A v1 task type at a glance: (stage, status) counts over its newest ``window`` tasks,
@@ -302,6 +332,15 @@ class PullStore(abc.ABC):
 
         On an existing id, returns (stored task, False), or raises
         :class:`TaskConflict` if it belongs to another type or user.
+        """
+
+    @abc.abstractmethod
+    def create_many(self, batch: Sequence[PullTask]) -> list[tuple[PullTask, bool]]:
+        """Insert every task of ``batch`` (distinct ids, their types' settings filled in) at once.
+
+        All or nothing, as :meth:`TaskStore.create_many`: an id already stored
+        gives (stored task, False); one of another type or user raises
+        :class:`TaskConflict` and stores none of the batch.
         """
 
     @abc.abstractmethod

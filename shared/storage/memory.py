@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -19,6 +19,7 @@ from shared.schedules.timetable import wake_at
 from shared.states import Phase, TaskStatus
 from shared.storage.base import (
     AttemptRecord,
+    Created,
     Firing,
     Lease,
     NotLeader,
@@ -34,10 +35,24 @@ from shared.storage.base import (
     TaskQuery,
     TaskStore,
     TypeSummary,
+    batch_created,
     matches_parameter,
+    same_pull_request,
     same_request,
 )
 from shared.task import Task
+
+
+def _insert_new(
+    table: dict[str, Created], batch: Sequence[Created], same: Callable[[Created, Created], bool]
+) -> builtins.list[tuple[Created, bool]]:
+    """create_many of the fakes: all of ``batch`` or, if an id is taken by another request, none."""
+    found = [table[task.task_id] for task in batch if task.task_id in table]
+    answer = batch_created(batch, {task.task_id for task in batch if task.task_id not in table}, found, same)
+    for task, created in answer:
+        if created:
+            table[task.task_id] = task
+    return answer
 
 
 class InMemoryStore(TaskStore):
@@ -59,14 +74,7 @@ class InMemoryStore(TaskStore):
 
     def create_many(self, batch: Sequence[Task], now: float) -> builtins.list[tuple[Task, bool]]:
         with self._lock:
-            stored = [self._tasks.get(task.task_id) for task in batch]
-            for task, old in zip(batch, stored, strict=True):
-                if old is not None and not same_request(old, task):
-                    raise TaskConflict(f"task id {task.task_id!r} is already used")
-            for task, old in zip(batch, stored, strict=True):
-                if old is None:
-                    self._tasks[task.task_id] = replace(task, version=1)
-            return [(self._tasks[task.task_id], old is None) for task, old in zip(batch, stored, strict=True)]
+            return _insert_new(self._tasks, batch, same_request)
 
     def get(self, task_id: str) -> Task | None:
         return self._tasks.get(task_id)
@@ -227,6 +235,10 @@ class InMemoryPullStore(PullStore):
 
     def types(self) -> list[TaskType]:
         return [self._types[name] for name in sorted(self._types)]
+
+    def create_many(self, batch: Sequence[PullTask]) -> builtins.list[tuple[PullTask, bool]]:
+        with self._lock:
+            return _insert_new(self._tasks, batch, same_pull_request)
 
     def create(self, task: PullTask) -> tuple[PullTask, bool] | None:
         with self._lock:

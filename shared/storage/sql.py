@@ -46,6 +46,7 @@ from shared.storage.base import (
     TaskPage,
     TaskQuery,
     TaskStore,
+    batch_created,
     same_request,
 )
 from shared.storage.codec import json_text, task_from_row, task_to_row
@@ -127,7 +128,7 @@ class SqlStore(TaskStore):
             inserted = set(conn.execute(CREATE_NEW_TASKS[self.engine.dialect.name], rows).scalars())
             taken = [task.task_id for task in batch if task.task_id not in inserted]
             found = [task_from_row(row) for row in conn.execute(GET_TASKS, {"b_task_ids": taken})] if taken else []
-            return batch_created(batch, rows, inserted, found)  # raising, it rolls the batch back
+            return batch_created(batch, inserted, found, same_request)  # raising, it rolls the batch back
 
     def _existing(self, task: Task) -> tuple[Task, bool]:
         """The stored task whose id ``task`` reused: the same request again, or a conflict."""
@@ -337,28 +338,6 @@ def _residual_conditions(q: TaskQuery, window: Subquery) -> list[ColumnElement[b
     return conditions
 
 
-def batch_created(
-    batch: Sequence[Task], rows: Sequence[dict[str, Any]], inserted: set[str], found: Iterable[Task]
-) -> builtins.list[tuple[Task, bool]]:
-    """What create_many answers, once the rows the batch ``inserted`` are known and the others ``found``.
-
-    The insert skips an id someone else committed, instead of failing and undoing
-    the batch (PostgreSQL waits for a concurrent create of that id, then skips it);
-    such a task must be the same request again. Raises :class:`TaskConflict` if not.
-    """
-    stored = {task.task_id: task for task in found}
-    answer = []
-    for task, row in zip(batch, rows, strict=True):
-        if task.task_id in inserted:
-            answer.append((task_from_row(row), True))
-            continue
-        old = stored.get(task.task_id)
-        if old is None or not same_request(old, task):
-            raise TaskConflict(f"task id {task.task_id!r} is already used")
-        answer.append((old, False))
-    return answer
-
-
 def _cursor_of(task: Task) -> Cursor:
     return (task.created_at, task.task_id)
 
@@ -455,7 +434,7 @@ class PostgresStore(SqlStore):
                 if task.task_id not in inserted:
                     row = cursor.execute(read.sql, read.params({"b_task_id": task.task_id})).fetchone()
                     found.extend([task_from_row(row)] if row is not None else [])
-            return batch_created(batch, rows, inserted, found)
+            return batch_created(batch, inserted, found, same_request)
 
     def get(self, task_id: str) -> Task | None:
         with autocommit_cursor(self.engine) as cursor:

@@ -12,15 +12,17 @@ are one statement each, and on PostgreSQL they run on psycopg's cursor
 from __future__ import annotations
 
 import builtins
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from sqlalchemy import bindparam, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from shared.pull.rules import PullStatus, PullTask, TaskType
-from shared.storage.base import PullStore, TaskConflict, TypeSummary
+from shared.storage.base import PullStore, TaskConflict, TypeSummary, batch_created, same_pull_request
 from shared.storage.driver import DriverStatement, autocommit_cursor
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import SqlStore
@@ -86,6 +88,12 @@ def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
 CREATE_PULL_TASK = _create_statement()
 CREATE_PULL_TASKS = _create_statement(returning=False)
 GET_PULL_TASK = select(pull_tasks).where(pull_tasks.c.task_id == bindparam("b_task_id"))
+GET_PULL_TASKS = select(pull_tasks).where(pull_tasks.c.task_id.in_(bindparam("b_task_ids", expanding=True)))
+# A batch's insert: the tasks come with their types' settings; ids already stored are skipped.
+CREATE_NEW_PULL_TASKS = {
+    name: insert_of(pull_tasks).on_conflict_do_nothing(index_elements=[pull_tasks.c.task_id]).returning(pull_tasks.c.task_id)
+    for name, insert_of in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
+}
 # A report (set_task), the scheduler's expiry: every column but the key, if the version still matches.
 SAVE_PULL_TASK = (
     update(pull_tasks)
@@ -190,6 +198,14 @@ class SqlPullStore(PullStore):
         if inserted is None:
             return None
         return replace(task, version=1, **inserted), True
+
+    def create_many(self, batch: Sequence[PullTask]) -> builtins.list[tuple[PullTask, bool]]:
+        rows = [create_row(task) for task in batch]
+        with self.sql.transaction() as conn:
+            inserted = set(conn.execute(CREATE_NEW_PULL_TASKS[self.sql.engine.dialect.name], rows).scalars())
+            taken = [task.task_id for task in batch if task.task_id not in inserted]
+            found = [_task(row) for row in conn.execute(GET_PULL_TASKS, {"b_task_ids": taken})] if taken else []
+            return batch_created(batch, inserted, found, same_pull_request)  # raising, it rolls the batch back
 
     def enqueue(self, task: PullTask) -> None:
         row = _row(replace(task, version=1))

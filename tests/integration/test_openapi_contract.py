@@ -255,6 +255,7 @@ def test_v1_posts_declare_their_bodies(served: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     for name, wrapper in [
         ("create_task", "task_data"),
+        ("create_tasks", "task_list"),
         ("register_task_type", "task_type_data"),
         ("register_task", "task_config_data"),
         ("hold_tasks", "task_type"),

@@ -131,6 +131,53 @@ def test_bad_create_is_refused_with_a_reason_and_nothing_stored(v1: V1, body: An
     assert v1.count() == 0
 
 
+def test_create_tasks_stores_a_batch_in_order_with_each_type_s_settings(v1: V1) -> None:
+    v1.register("video", max_retry_num=4)
+    v1.register("audio", max_processing_time=60)
+    v1.create(task_id="again", user_id="alice")
+    tasks = [
+        {"task_type": "video", "task_content": "a", "user_id": "alice"},
+        {"task_type": "audio", "task_id": "mine", "task_priority": 2},
+        {"task_type": "video", "task_id": "again", "user_id": "alice"},  # a replay
+    ]
+    answer = v1.post("create_tasks", {"task_list": tasks})
+    assert answer["code"] == 0, answer
+    ids = answer["task_id_list"]
+    assert ids[1:] == ["mine", "again"] and ids[0].endswith("_video")
+    first = v1.get("get_task", task_id=ids[0])["task_data"]
+    assert (first["task_content"], first["user_id"], first["max_retry_num"], first["status"]) == ("a", "alice", 4, 1)
+    mine = v1.get("get_task", task_id="mine")["task_data"]
+    assert (mine["task_type"], mine["max_processing_time"], mine["order_time"]) == ("audio", 60, int(v1.clock.now - 2))
+    assert v1.count() == 2 and [t["task_id"] for t in v1.hold("audio")] == ["mine"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason", "names"),
+    [
+        ({"task_type": "nope"}, "NOT_FOUND", "tasks[1]: unknown task_type 'nope'"),
+        ({"task_type": "video", "task_id": "t0"}, "INPUT_INVALID", "tasks[1]: task_id 't0' is also that of tasks[0]"),
+        ({"task_type": "video", "task_id": "taken"}, "CONFLICT", "task id 'taken' is already used"),
+        ({"task_type": "video", "task_priority": "high"}, "INPUT_INVALID", "task_list.1.task_priority"),
+    ],
+)
+def test_one_refused_task_stores_none_of_the_batch(v1: V1, bad: dict[str, Any], reason: str, names: str) -> None:
+    v1.register("video")
+    v1.register("other")
+    assert v1.post("create_task", {"task_data": {"task_type": "other", "task_id": "taken"}})["code"] == 0
+    answer = v1.post("create_tasks", {"task_list": [{"task_type": "video", "task_id": "t0"}, bad, {"task_type": "video"}]})
+    assert answer["code"] != 0 and answer["msg"].startswith(reason + "::") and names in answer["msg"], answer
+    assert "task_id_list" not in answer
+    assert v1.count() == 0
+
+
+@pytest.mark.parametrize("task_list", [[], [{"task_type": "video"}] * 1001])
+def test_create_tasks_takes_1_to_1000(v1: V1, task_list: list[Any]) -> None:
+    v1.register()
+    answer = v1.post("create_tasks", {"task_list": task_list})
+    assert answer["code"] != 0 and answer["msg"].startswith("INPUT_INVALID::") and "task_list" in answer["msg"]
+    assert v1.count() == 0
+
+
 def test_malformed_json_is_refused(v1: V1) -> None:
     answer = v1.http.post("/v1/create_task", content=b"{nope").json()
     assert answer["code"] == 1 and answer["msg"].startswith("INPUT_INVALID::")

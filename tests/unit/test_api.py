@@ -314,7 +314,7 @@ def test_a_batch_stores_every_task_and_publishes_each_first_step(api: Api) -> No
     tasks = [{"flow": "three", "task_id": f"b{i}", "user_id": "alice", "priority": i} for i in range(3)]
     tasks.append({"flow": "three", "task_id": "old", "user_id": "alice"})  # a replay
     tasks.append({"flow": "noop", "parameters": {"n": 1}})  # an id of the service's choosing
-    r = api.client.post("/api/tasks/batch", json={"tasks": tasks})
+    r = api.client.post("/api/batches", json={"tasks": tasks})
     assert r.status_code == 200, r.text
     answer = r.json()["tasks"]
     assert [(t["task_id"], t["created"]) for t in answer[:4]] == [("b0", True), ("b1", True), ("b2", True), ("old", False)]
@@ -327,7 +327,7 @@ def test_a_batch_stores_every_task_and_publishes_each_first_step(api: Api) -> No
 
 
 def test_a_batch_runs_to_the_end_like_single_submits(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
-    r = api.client.post("/api/tasks/batch", json={"tasks": [{"flow": "three", "task_id": f"r{i}"} for i in range(4)]})
+    r = api.client.post("/api/batches", json={"tasks": [{"flow": "three", "task_id": f"r{i}"} for i in range(4)]})
     assert r.status_code == 200, r.text
     api.drain(monkeypatch)
     assert {api.store.get(f"r{i}").status for i in range(4)} == {TaskStatus.SUCCESS}  # type: ignore[union-attr]
@@ -346,7 +346,7 @@ def test_one_refused_submission_stores_none_of_the_batch(api: Api, bad: dict[str
     assert api.submit({"flow": "three", "task_id": "taken", "user_id": "alice"}).status_code == 201
     before = len(api.publisher.messages)
     tasks = [{"flow": "three", "task_id": "a0"}, {"flow": "noop", "task_id": "a1"}, bad, {"flow": "noop"}]
-    r = api.client.post("/api/tasks/batch", json={"tasks": tasks})
+    r = api.client.post("/api/batches", json={"tasks": tasks})
     assert r.status_code == status, r.text
     assert error_of(r).startswith(message), error_of(r)
     assert api.stored() == ["taken"]
@@ -363,7 +363,7 @@ def test_one_refused_submission_stores_none_of_the_batch(api: Api, bad: dict[str
     ],
 )
 def test_an_invalid_batch_is_422_naming_the_field(api: Api, body: dict[str, Any], field: str) -> None:
-    r = api.client.post("/api/tasks/batch", json=body)
+    r = api.client.post("/api/batches", json=body)
     assert r.status_code == 422, r.text
     assert field in [d["field"] for d in r.json()["detail"]], r.json()
     assert api.stored() == []
