@@ -11,7 +11,7 @@ checkout checks (the idle ping) and fork handling apply as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -85,3 +85,29 @@ def autocommit_cursor(engine: Engine) -> Iterator[psycopg.Cursor[dict[str, Any]]
         raise
     finally:
         pooled.close()
+
+
+def insert_new(
+    cursor: psycopg.Cursor[dict[str, Any]],
+    insert: DriverStatement,
+    read: DriverStatement,
+    rows: Sequence[Mapping[str, Any]],
+) -> tuple[set[str], list[dict[str, Any]]]:
+    """Run ``insert``, one row's INSERT … ON CONFLICT DO NOTHING RETURNING task_id, for each of ``rows``.
+
+    In a pipeline: the statement is parsed once and the rows go in one round trip.
+    Returns the ids inserted, and the stored rows of the others, ``read`` by
+    ``b_task_id`` one by one (replays: rare).
+    """
+    cursor.executemany(insert.sql, [insert.params(row) for row in rows], returning=True)
+    inserted: set[str] = set()
+    while True:
+        inserted.update(row["task_id"] for row in cursor.fetchall())
+        if not cursor.nextset():
+            break
+    found = []
+    for row in rows:
+        if row["task_id"] not in inserted:
+            stored = cursor.execute(read.sql, read.params({"b_task_id": row["task_id"]})).fetchone()
+            found.extend([stored] if stored is not None else [])
+    return inserted, found

@@ -50,7 +50,7 @@ from shared.storage.base import (
     same_request,
 )
 from shared.storage.codec import json_text, task_from_row, task_to_row
-from shared.storage.driver import DriverStatement, autocommit_cursor
+from shared.storage.driver import DriverStatement, autocommit_cursor, insert_new
 from shared.storage.schema import attempts, metadata, task_events, tasks
 from shared.storage.statements import (
     CREATE_NEW_TASKS,
@@ -420,21 +420,9 @@ class PostgresStore(SqlStore):
 
     def create_many(self, batch: Sequence[Task], now: float) -> builtins.list[tuple[Task, bool]]:
         rows = [task_to_row(task, now) | {"version": 1} for task in batch]
-        insert_new, read = self._create_new, self._get
         with autocommit_cursor(self.engine) as cursor, cursor.connection.transaction():
-            # One statement, run for each row in a pipeline: one round trip, parsed once.
-            cursor.executemany(insert_new.sql, [insert_new.params(row) for row in rows], returning=True)
-            inserted: set[str] = set()
-            while True:
-                inserted.update(row["task_id"] for row in cursor.fetchall())
-                if not cursor.nextset():
-                    break
-            found = []
-            for task in batch:  # replays, rare: one read each
-                if task.task_id not in inserted:
-                    row = cursor.execute(read.sql, read.params({"b_task_id": task.task_id})).fetchone()
-                    found.extend([task_from_row(row)] if row is not None else [])
-            return batch_created(batch, inserted, found, same_request)
+            inserted, found = insert_new(cursor, self._create_new, self._get, rows)
+            return batch_created(batch, inserted, map(task_from_row, found), same_request)
 
     def get(self, task_id: str) -> Task | None:
         with autocommit_cursor(self.engine) as cursor:

@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 
 from shared.pull.rules import PullStatus, PullTask, TaskType
 from shared.storage.base import PullStore, TaskConflict, TypeSummary, batch_created, same_pull_request
-from shared.storage.driver import DriverStatement, autocommit_cursor
+from shared.storage.driver import DriverStatement, autocommit_cursor, insert_new
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import SqlStore
 
@@ -132,6 +132,10 @@ class SqlPullStore(PullStore):
         if postgres:
             self._driver = {
                 "create": DriverStatement(CREATE_PULL_TASK, sql.engine),
+                "create new": DriverStatement(
+                    CREATE_NEW_PULL_TASKS["postgresql"].values({c.name: bindparam(c.name, type_=c.type) for c in pull_tasks.columns}),
+                    sql.engine,
+                ),
                 "get": DriverStatement(GET_PULL_TASK, sql.engine),
                 "save": DriverStatement(SAVE_PULL_TASK, sql.engine),
                 "hold": DriverStatement(self._hold[False], sql.engine),
@@ -201,6 +205,11 @@ class SqlPullStore(PullStore):
 
     def create_many(self, batch: Sequence[PullTask]) -> builtins.list[tuple[PullTask, bool]]:
         rows = [create_row(task) for task in batch]
+        if self._driver is not None:
+            with autocommit_cursor(self.sql.engine) as cursor, cursor.connection.transaction():
+                inserted, stored = insert_new(cursor, self._driver["create new"], self._driver["get"], rows)
+                found = [_task(row) for row in stored]
+                return batch_created(batch, inserted, found, same_pull_request)
         with self.sql.transaction() as conn:
             inserted = set(conn.execute(CREATE_NEW_PULL_TASKS[self.sql.engine.dialect.name], rows).scalars())
             taken = [task.task_id for task in batch if task.task_id not in inserted]

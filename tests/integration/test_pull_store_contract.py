@@ -66,6 +66,33 @@ def test_create_again_returns_the_stored_task_or_a_conflict(typed: PullStore) ->
         typed.create(a_task("t1", user="someone else"))
 
 
+def test_create_many_stores_all_or_none(typed: PullStore) -> None:
+    first, _ = typed.create(a_task("old"))  # type: ignore[misc]
+    batch = [a_task(f"n{i}", priority=i) for i in range(3)] + [replace(a_task("old"), task_content="again")]
+    assert typed.create_many(batch) == [(replace(t, version=1), True) for t in batch[:3]] + [(first, False)]
+    assert [typed.get(f"n{i}") for i in range(3)] == [replace(t, version=1) for t in batch[:3]]
+    with pytest.raises(TaskConflict, match="'old'"):
+        typed.create_many([a_task("m0"), a_task("old", user="someone else")])
+    assert typed.get("m0") is None
+
+
+def test_create_many_racing_single_creates_of_its_ids(typed: PullStore) -> None:
+    # Whoever commits an id first owns it: the batch neither fails nor claims the others'.
+    ids = [f"r{i}" for i in range(40)]
+    singles: dict[str, bool] = {}
+
+    def create_each() -> None:
+        for task_id in reversed(ids):
+            singles[task_id] = typed.create(a_task(task_id))[1]  # type: ignore[index]
+
+    racer = threading.Thread(target=create_each)
+    racer.start()
+    batch = typed.create_many([a_task(i) for i in ids])
+    racer.join()
+    assert [t.task_id for t, _ in batch] == ids
+    assert [created + singles[task_id] for task_id, (_, created) in zip(ids, batch, strict=True)] == [1] * 40
+
+
 def test_hold_leases_due_pending_tasks_by_order_time_up_to_the_limit(typed: PullStore) -> None:
     for i, priority in enumerate([0, 5, 2, 9]):
         typed.create(a_task(f"t{i}", priority=priority))
