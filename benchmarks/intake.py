@@ -3,15 +3,16 @@
 
 Starts `asyncflow api` alone (no worker, no scheduler: what is measured is the
 intake, each first step left on its module's queue) on a fresh backend, then runs
-two phases of `--seconds` each, with `--clients` client processes over keep-alive
-connections, alternating `--rounds` times:
+three phases of `--seconds` each, with `--clients` client processes over
+keep-alive connections, alternating `--rounds` times:
 
-  single  POST /api/tasks, one `noop` flow per request
-  batch   POST /api/batches, `--batch` `noop` flows per request
+  single    POST /api/tasks, one `noop` flow per request
+  batch     POST /api/batches, `--batch` `noop` flows per request
+  v1 batch  POST /v1/create_tasks, `--batch` v1 tasks (60-byte task_content) per request
 
-Each accepted task is stored and its first step published before the answer. At
-the end the tasks in the database are counted against those the clients were told
-were created. Prints tasks/s, request latency, CPU per task of the API and of the
+Each accepted flow is stored and its first step published before the answer, each
+v1 task stored. At the end the tasks in the database are counted against those
+the clients were told were created. Prints tasks/s, request latency, CPU per task of the API and of the
 servers, and the machine. SPEC §12: batch submits ≥ 15,000 tasks/s.
 
     .venv/bin/python benchmarks/intake.py --backend postgres-rabbitmq --clients 4 --batch 500
@@ -36,8 +37,8 @@ from figures import pct  # noqa: E402
 from stack import SetupError, Stack, log, machine_info, make_backend, servers_cpu  # noqa: E402
 
 
-def client_loop(job: tuple[str, int, float, int]) -> tuple[int, int, list[float]]:
-    url, batch, seconds, client = job
+def client_loop(job: tuple[str, str, int, float, int]) -> tuple[int, int, list[float]]:
+    url, kind, batch, seconds, client = job
     created = errors = 0
     latencies: list[float] = []
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -46,24 +47,34 @@ def client_loop(job: tuple[str, int, float, int]) -> tuple[int, int, list[float]
         while time.monotonic() < end:
             n += 1
             t0 = time.perf_counter()
-            if batch:
+            if kind == "single":
+                answer = http.post("/api/tasks", json={"flow": "noop", "parameters": {"client": client, "n": n}})
+                ok = answer.status_code == 201
+                count = 1
+            elif kind == "batch":
                 body = {"tasks": [{"flow": "noop", "parameters": {"client": client, "n": n}}] * batch}
                 answer = http.post("/api/batches", json=body)
                 ok = answer.status_code == 200
-                created += sum(t["created"] for t in answer.json()["tasks"]) if ok else 0
+                count = sum(t["created"] for t in answer.json()["tasks"]) if ok else 0
             else:
-                answer = http.post("/api/tasks", json={"flow": "noop", "parameters": {"client": client, "n": n}})
-                ok = answer.status_code == 201
-                created += ok
+                body = {"task_list": [{"task_type": V1_TYPE, "task_content": "y" * 60}] * batch}
+                reply = http.post("/v1/create_tasks", json=body).json()
+                ok = reply.get("code") == 0
+                count = len(reply["task_id_list"]) if ok else 0
             latencies.append(time.perf_counter() - t0)
+            created += count
             errors += not ok
     return created, errors, latencies
 
 
-def phase(pool: Any, stack: Stack, batch: int, clients: int, seconds: float) -> dict[str, Any]:
+V1_TYPE = "bench_intake"
+PHASES = ("single", "batch", "v1 batch")
+
+
+def phase(pool: Any, stack: Stack, kind: str, batch: int, clients: int, seconds: float) -> dict[str, Any]:
     api_before, servers_before = stack.cpu().get("api", 0.0), servers_cpu()
     started = time.monotonic()
-    results = pool.map(client_loop, [(stack.url, batch, seconds, c) for c in range(clients)])
+    results = pool.map(client_loop, [(stack.url, kind, batch, seconds, c) for c in range(clients)])
     wall = time.monotonic() - started
     servers_after = servers_cpu()
     created = sum(r[0] for r in results)
@@ -78,15 +89,16 @@ def phase(pool: Any, stack: Stack, batch: int, clients: int, seconds: float) -> 
 
 
 def stored_tasks(database_url: str) -> int:
+    """Flows and v1 tasks in the database."""
     from sqlalchemy import func, select
 
     from shared.storage import open_store
-    from shared.storage.schema import tasks
+    from shared.storage.schema import pull_tasks, tasks
 
     store = open_store(database_url)
     try:
         with store.transaction(read_only=True) as conn:
-            return int(conn.execute(select(func.count()).select_from(tasks)).scalar_one())
+            return sum(int(conn.execute(select(func.count()).select_from(t)).scalar_one()) for t in (tasks, pull_tasks))
     finally:
         store.close()
 
@@ -99,11 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=500, help="flows per batch request (default 500)")
     parser.add_argument("--seconds", type=float, default=10, help="seconds per phase (default 10)")
     parser.add_argument("--rounds", type=int, default=2, help="single, batch alternations (default 2)")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help=f"comma-separated, of {', '.join(PHASES)} (default all)")
     parser.add_argument("--api-workers", type=int, default=1, help="API processes (asyncflow api --workers)")
     parser.add_argument("--postgres-admin-url", default=None)
     parser.add_argument("--rabbitmq-vhost", default=None)
     parser.add_argument("--redis-db", type=int, default=None)
     args = parser.parse_args(argv)
+    phases = [p.strip() for p in args.phases.split(",")]
+    if not set(phases) <= set(PHASES):
+        parser.error(f"--phases: each of {', '.join(PHASES)}")
 
     home = Path(tempfile.mkdtemp(prefix="af-intake-"))
     backend = make_backend(args)
@@ -121,12 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         stack.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
         stack.spawn("api", "api", "--port", str(stack.port), "--workers", str(args.api_workers))
         stack.wait_healthy(60)
+        body = {"task_type_data": {"task_type": V1_TYPE}}
+        if httpx.post(stack.url + "/v1/register_task_type", json=body).json()["code"] != 0:
+            raise SetupError("register_task_type failed")
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
-            warm_up = sum(r[0] for r in pool.map(client_loop, [(stack.url, 2, 0.5, c) for c in range(args.clients)]))
+            warm = [(stack.url, kind, 2, 0.5, c) for kind in phases for c in range(args.clients)]
+            warm_up = sum(r[0] for r in pool.map(client_loop, warm))
             for r in range(args.rounds):
-                for name, batch in (("single", 0), ("batch", args.batch)):
-                    log(f"round {r + 1}: {name}")
-                    runs.append((name, phase(pool, stack, batch, args.clients, args.seconds)))
+                for kind in phases:
+                    log(f"round {r + 1}: {kind}")
+                    runs.append((kind, phase(pool, stack, kind, args.batch, args.clients, args.seconds)))
         stack.check_alive()
         database_url = stack.env.get("ASYNCFLOW_DATABASE_URL") or f"sqlite:///{home / 'asyncflow.sqlite'}"
         stored = stored_tasks(database_url)
@@ -145,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.clients} client processes on the same machine, {args.seconds:g} s per phase")
     for name, r in runs:
         servers = ", ".join(f"{k} {v:.3f}" for k, v in r["servers_cpu_ms"].items() if v)
-        label = f"batch of {args.batch}" if name == "batch" else "single"
-        print(f"{label:<14}: {r['tasks_per_s']:8.0f} tasks/s ({r['tasks']} created, {r['errors']} failed requests); "
+        label = name if name == "single" else f"{name} of {args.batch}"
+        print(f"{label:<17}: {r['tasks_per_s']:8.0f} tasks/s ({r['tasks']} created, {r['errors']} failed requests); "
               f"request p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; CPU ms/task: api {r['api_cpu_ms']:.3f}, "
               f"{servers}")
-    for name in ("single", "batch"):
+    for name in phases:
         rates = [r["tasks_per_s"] for n, r in runs if n == name]
         print(f"median {name}: {statistics.median(rates):.0f} tasks/s")
     accepted = sum(r["tasks"] for _, r in runs) + warm_up

@@ -111,7 +111,7 @@ def _row(task: PullTask) -> dict[str, Any]:
 
 def create_row(task: PullTask) -> dict[str, Any]:
     """Parameters of CREATE_PULL_TASK for a new task."""
-    return _row(replace(task, version=1))
+    return _row(task) | {"version": 1}
 
 
 def _task(row: Any) -> PullTask:
