@@ -3,7 +3,9 @@
 
 Creates N tasks of a registered type through ``PullService.create`` (create_task),
 leases them one per call through ``PullService.hold`` (hold_tasks, schedule_limit
-1) and reports each done through ``PullService.set`` (set_task): the service and
+1) and reports each done through ``PullService.set`` (set_task), then creates N
+more in batches of ``--batch`` through ``PullService.create_many`` (create_tasks,
+its figures per task): the service and
 the store with PostgreSQL's round trips, not uvicorn, FastAPI or the body checks
 (``v1_api.py`` measures those too, over HTTP).
 
@@ -34,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from shared.migrate import upgrade  # noqa: E402
 from shared.pull.rules import PullStatus, Report  # noqa: E402
-from shared.pull.service import PullService  # noqa: E402
+from shared.pull.service import NewPullTask, PullService  # noqa: E402
 from shared.storage import open_store  # noqa: E402
 from shared.storage.sql_pull import SqlPullStore  # noqa: E402
 
@@ -45,6 +47,7 @@ TASK_TYPE = "bench"
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=1000, help="calls of each endpoint measured (default 1000)")
+    p.add_argument("--batch", type=int, default=500, help="tasks per create_many call (default 500)")
     p.add_argument("--postgres-admin-url", default=None, help="where to create the run's database")
     args = p.parse_args(argv)
     backend = Backend("postgres")
@@ -74,7 +77,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{calls} holds leased {len(held)} tasks")
             done = iter(held)
             timed("set", lambda: service.set(next(done), Report(PullStatus.SUCCESS)))
-            return {k: round(v * 1000 / calls, 3) for k, v in figures.items()}
+            batches = max(1, calls // args.batch)
+            batch = [NewPullTask(TASK_TYPE, "{}") for _ in range(args.batch)]
+            cpu, wall = time.process_time(), time.perf_counter()
+            for _ in range(batches):
+                service.create_many(batch)
+            per_task = 1000 / (batches * args.batch)
+            figures = {k: v * 1000 / calls for k, v in figures.items()}
+            figures["batch_cpu_ms"] = (time.process_time() - cpu) * per_task
+            figures["batch_wall_ms"] = (time.perf_counter() - wall) * per_task
+            return {k: round(v, 3) for k, v in figures.items()}
 
         run(WARM_UP)
         figures = run(args.calls)
@@ -85,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.calls} calls each, per call: "
           + ", ".join(f"{name} {figures[name + '_cpu_ms']} ms CPU ({figures[name + '_wall_ms']} wall)"
                       for name in ("create", "hold", "set")))
+    print(f"create_many in batches of {args.batch}, per task: {figures['batch_cpu_ms']} ms CPU "
+          f"({figures['batch_wall_ms']} wall)")
     print("RESULT " + json.dumps(result))
     return 0
 

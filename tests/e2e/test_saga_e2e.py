@@ -11,6 +11,7 @@ import signal
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from shared.config import Settings
@@ -37,6 +38,24 @@ def test_success_runs_every_step_once_and_merges_results(stack: Stack) -> None:
     assert {f"done_{i}" for i in range(3)} <= set(doc["parameters"])
     assert doc["time_start"] and doc["time_end"] >= doc["time_start"] >= doc["time_create"]
     assert [s["state"] for s in doc["steps"]] == ["succeeded"] * 3
+
+
+def test_a_batch_runs_each_flow_as_a_single_submit_would(stack: Stack) -> None:
+    # Published together (on RabbitMQ, confirmed once): each flow still runs once, its own way.
+    ids = [f"batch-{uuid.uuid4().hex[:8]}-{i}" for i in range(12)]
+    fails = {ids[3], ids[7]}
+    body = {"tasks": [{"flow": "three", "task_id": i, "parameters": {"fail_at": [1]} if i in fails else {}} for i in ids]}
+    answer = httpx.post(stack.url + "/api/batches", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert [(t["task_id"], t["created"]) for t in answer.json()["tasks"]] == [(i, True) for i in ids]
+    for task_id in ids:
+        doc = stack.wait_stopped(task_id)
+        if task_id in fails:
+            assert doc["task_status"] == 4, doc
+            assert ran(stack, task_id) == [(0, NORMAL), (1, NORMAL), (1, NORMAL), (1, NORMAL), (1, ROLLBACK), (0, ROLLBACK)]
+        else:
+            assert doc["task_status"] == 0, doc
+            assert ran(stack, task_id) == [(0, NORMAL), (1, NORMAL), (2, NORMAL)]
 
 
 @pytest.mark.parametrize("fail_at", [0, 1, 2])
