@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +232,21 @@ def step_message(cursor: int, seq: int) -> StepMessage:
         task_id="t", flow="noop", seq=seq, cursor=cursor, type=StepType.NORMAL, attempt=1,
         module="alpha", command="step", timeout=0.2, retry=0, parameters={"big": "x" * 100},
     )
+
+
+def test_a_note_reads_back_whole_after_a_longer_one_and_a_cut_off_one_reads_as_none() -> None:
+    running = RunningSteps(grace=1.0)
+    delivered = step_message(cursor=0, seq=1)
+    long_task = replace(step_message(cursor=1, seq=2), task_id="t" * 5000)  # past a page
+    running.begin("delivery-1", long_task, ran_on=True)
+    running.begin("delivery-1", step_message(cursor=2, seq=3), ran_on=True)  # shorter: the old tail stays behind it
+    step, killed = running.step_of("delivery-1", os.getpid(), delivered)
+    assert (step.cursor, step.seq, killed) == (2, 3, None)
+    note = running.directory / str(os.getpid())
+    head, _, rest = note.read_bytes().partition(b"\n")
+    record = head + b"\n" + rest[: int(head.split()[0])]  # the longer note's tail stays behind it
+    for cut in (len(record) - 1, len(record) // 2, 3, 0):  # the process killed while the kernel wrote
+        note.write_bytes(record[:cut])
+        assert running.step_of("delivery-1", os.getpid(), delivered) == (delivered, None)
+    note.write_bytes(record.replace(b'"seq": 3', b'"seq": 4'))  # new bytes ahead, old ones behind
+    assert running.step_of("delivery-1", os.getpid(), delivered) == (delivered, None)
