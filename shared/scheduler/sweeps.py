@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from shared.pull.service import PullService
 from shared.saga import Due, Expire, Requeue
@@ -18,15 +19,20 @@ _EVENTS: dict[Phase, type[Due | Requeue | Expire]] = {
 }
 
 
-def sweep_tasks(service: TaskService, now: float, limit: int = 500) -> int:
+def sweep_tasks(service: TaskService, now: float, limit: int = 500, until: float | None = None) -> int:
     """Act on every outstanding saga message due by ``now``; returns how many changed.
 
     Waiting messages are published, queued ones that nobody started are
-    published again, running ones past their deadline count as failed.
+    published again, running ones past their deadline count as failed. With
+    ``until`` (on ``time.monotonic``) the pass stops there and leaves the rest
+    due for the next one: under load each takes a write and a publish, and 500
+    of them can outlast the scheduler's lease.
     """
     changed = 0
     can_publish = service.publisher.healthy()
     for task_id, seq, phase in service.due(now, limit):
+        if until is not None and time.monotonic() >= until:
+            break
         if phase is not Phase.RUNNING and not can_publish:
             continue  # leave it due; publishing now would only fail again
         event = _EVENTS[phase](seq)

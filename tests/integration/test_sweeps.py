@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from shared.flows import parse_flows
 from shared.saga import Timing
@@ -10,6 +11,7 @@ from shared.scheduler import sweep_tasks
 from shared.service import TaskService
 from shared.states import Phase, StepCode, TaskStatus
 from shared.storage import TaskStore
+from shared.task import StepMessage
 from shared.testing import ManualClock, QueuePublisher
 
 FLOWS = parse_flows(
@@ -75,3 +77,24 @@ def test_sweep_leaves_queued_messages_while_the_broker_is_down(store: TaskStore)
     assert sweep_tasks(service, clock()) == 0 and not publisher.messages
     stored = service.get(task.task_id)
     assert stored.active is not None and stored.active.phase is Phase.QUEUED
+
+
+def test_a_sweep_pass_stops_at_its_deadline_and_the_next_passes_finish_the_rest(store: TaskStore) -> None:  # noqa: F811
+    class SlowPublisher(QueuePublisher):
+        def publish(self, message: StepMessage) -> None:
+            time.sleep(0.02)  # a publish under load: a write and a broker round trip
+            super().publish(message)
+
+    clock, publisher = ManualClock(), SlowPublisher()
+    service = TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING)
+    ids = [service.submit("one", {})[0].task_id for _ in range(30)]
+    publisher.messages.clear()  # as if the broker lost every one of them
+    clock.advance(5)
+    began = time.monotonic()
+    first = sweep_tasks(service, clock(), until=began + 0.1)
+    assert 1 <= first < 30 and time.monotonic() - began < 0.5
+    passes = [first]
+    while sum(passes) < 30 and len(passes) < 100:
+        passes.append(sweep_tasks(service, clock(), until=time.monotonic() + 0.1))
+    assert sorted(m.task_id for m in publisher.messages) == sorted(ids)  # each published again once
+    assert sweep_tasks(service, clock()) == 0
