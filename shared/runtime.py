@@ -12,7 +12,8 @@ from celery import Celery
 from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import FlowsError, FlowSet, ModuleDecl, load_flows
-from shared.messaging import CeleryPublisher, make_celery, serve_steps
+from shared.messaging import CeleryPublisher, make_celery, queue_name, serve_steps
+from shared.messaging.depth import queue_depths
 from shared.messaging.running import RunningSteps
 from shared.module import Module
 from shared.pull.rules import TaskType
@@ -29,6 +30,9 @@ from shared.storage.sql_pull import SqlPullStore
 from shared.storage.sql_schedules import SqlScheduleStore
 
 log = logging.getLogger(__name__)
+
+# How long the requeue sweep waits for the broker's queue depths before publishing again anyway.
+DEPTH_TIMEOUT = 2.0
 
 
 def _pull_setup(module: str, flows: FlowSet, grace: float) -> tuple[ModuleDecl, TaskType] | None:
@@ -174,8 +178,21 @@ class Runtime:
             process_retention=s.process_retention,
         )
         return Scheduler(
-            self.service, self.pull_service, self.schedules, cadence, self.clock, processes=self.process_store
+            self.service,
+            self.pull_service,
+            self.schedules,
+            cadence,
+            self.clock,
+            processes=self.process_store,
+            # A publisher given in place of the configured one has no broker to ask.
+            backlogged=self.backlogged_modules if self._publisher is None else None,
         )
+
+    def backlogged_modules(self) -> frozenset[str]:
+        """The push modules whose queues hold messages waiting now, as the broker counts them."""
+        modules = sorted(self.flows.push_module_names())
+        depths = queue_depths(self.settings, [queue_name(m) for m in modules], DEPTH_TIMEOUT)
+        return frozenset(m for m in modules if depths.get(queue_name(m), 0) > 0)
 
     def consumer(self, names: list[str]) -> StepConsumer:
         """The step consumer of a worker serving ``names``, with its Celery tasks registered."""

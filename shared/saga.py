@@ -74,9 +74,18 @@ class Due:
 
 @dataclass(frozen=True)
 class Requeue:
-    """A queued message was not started in time: publish it again (same seq)."""
+    """A queued message was not started in time: publish it again (same seq).
+
+    ``backlogged``: modules whose queues still hold messages waiting their turn. A
+    message of one of them is most likely among those (messages are persistent, on
+    durable queues), so it is looked at again after ``requeue_after`` instead: a
+    copy published into a backlog is one more message to deliver, read and drop as
+    stale, and a queue ``requeue_after`` behind would get a copy of every message
+    at every pass, so it would fall further behind.
+    """
 
     seq: int
+    backlogged: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -207,6 +216,8 @@ def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING
     assert active is not None
     if isinstance(event, Requeue) and task.cancel_requested and task.status is not TaskStatus.ROLLING_BACK:
         return _cancelled_before_running(task, now, timing)
+    if isinstance(event, Requeue) and task.steps[active.cursor].action(active.type).module in event.backlogged:
+        return Decision(replace(task, active=replace(active, due_at=now + timing.requeue_after)))
     if isinstance(event, Due | Requeue):
         return _publish_again(task, now, timing)
     if isinstance(event, PublishFailed):

@@ -61,6 +61,7 @@ class Scheduler:
         clock: Callable[[], float] = time.time,
         owner: str | None = None,
         processes: ProcessStore | None = None,
+        backlogged: Callable[[], frozenset[str]] | None = None,
     ) -> None:
         self.service = service
         self.pull = pull
@@ -69,6 +70,7 @@ class Scheduler:
         self.clock = clock
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.processes = processes
+        self.backlogged = backlogged  # modules whose queues hold messages waiting (sweep_tasks)
         self.lease: Lease | None = None
         self.timetable = Timetable()
         self._due = {"renew": 0.0, "load": 0.0, "changes": 0.0, "sweep": 0.0, "purge": 0.0, "processes": 0.0}
@@ -85,7 +87,8 @@ class Scheduler:
         """
         now = self.clock()
         until = time.monotonic() + self.cadence.lease_ttl / 10
-        return sweep_tasks(self.service, now, until=until) + sweep_leases(self.pull, now)
+        swept = sweep_tasks(self.service, now, until=until, backlogged=self.backlogged)
+        return swept + sweep_leases(self.pull, now)
 
     def run(self, stop: threading.Event) -> None:
         """Lead or stand by until ``stop`` is set; on a clean stop, hand the lease over."""

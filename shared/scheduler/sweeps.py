@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from shared.pull.service import PullService
 from shared.saga import Due, Expire, Requeue
@@ -12,14 +13,16 @@ from shared.states import Phase
 
 log = logging.getLogger(__name__)
 
-_EVENTS: dict[Phase, type[Due | Requeue | Expire]] = {
-    Phase.WAITING: Due,
-    Phase.QUEUED: Requeue,
-    Phase.RUNNING: Expire,
-}
+_EVENTS: dict[Phase, type[Due | Expire]] = {Phase.WAITING: Due, Phase.RUNNING: Expire}
 
 
-def sweep_tasks(service: TaskService, now: float, limit: int = 500, until: float | None = None) -> int:
+def sweep_tasks(
+    service: TaskService,
+    now: float,
+    limit: int = 500,
+    until: float | None = None,
+    backlogged: Callable[[], frozenset[str]] | None = None,
+) -> int:
     """Act on every outstanding saga message due by ``now``; returns how many changed.
 
     Waiting messages are published, queued ones that nobody started are
@@ -27,24 +30,50 @@ def sweep_tasks(service: TaskService, now: float, limit: int = 500, until: float
     ``until`` (on ``time.monotonic``) the pass stops there and leaves the rest
     due for the next one: under load each takes a write and a publish, and 500
     of them can outlast the scheduler's lease.
+
+    ``backlogged`` names the modules whose queues hold messages waiting now,
+    asked once per pass, when a queued message is first due: the queued messages
+    of those modules are left in their queues (:class:`Requeue`).
     """
-    changed = 0
+    changed = left = 0
     can_publish = service.publisher.healthy()
+    busy: frozenset[str] | None = None
     for task_id, seq, phase in service.due(now, limit):
         if until is not None and time.monotonic() >= until:
             break
         if phase is not Phase.RUNNING and not can_publish:
             continue  # leave it due; publishing now would only fail again
-        event = _EVENTS[phase](seq)
+        event: Due | Requeue | Expire
+        if phase is Phase.QUEUED:
+            if busy is None:
+                busy = _backlogged(backlogged)
+            event = Requeue(seq, busy)
+        else:
+            event = _EVENTS[phase](seq)
         try:
             decision = service.apply(task_id, event)
         except TaskNotFound:
             continue
-        if not decision.ignored:
-            changed += 1
-            if isinstance(event, Requeue | Expire):
-                log.warning("sweep: %s", type(event).__name__.lower(), extra={"task_id": task_id, "seq": seq})
+        if decision.ignored:
+            continue
+        changed += 1
+        if isinstance(event, Requeue) and not decision.messages:
+            left += 1
+        elif isinstance(event, Requeue | Expire):
+            log.warning("sweep: %s", type(event).__name__.lower(), extra={"task_id": task_id, "seq": seq})
+    if left:
+        log.info("sweep: %d queued message(s) not started in time left in their queue's backlog", left)
     return changed
+
+
+def _backlogged(backlogged: Callable[[], frozenset[str]] | None) -> frozenset[str]:
+    if backlogged is None:
+        return frozenset()
+    try:
+        return backlogged()
+    except Exception as exc:  # no answer: publish again, as without the check
+        log.warning("sweep: queue depths unknown, queued messages due are published again: %s", exc)
+        return frozenset()
 
 
 def sweep_leases(pull: PullService, now: float, limit: int = 500) -> int:

@@ -18,6 +18,7 @@ import pytest
 
 from shared.config import Settings
 from shared.messaging import STEP_TASK, make_celery, queue_name
+from shared.messaging.depth import queue_depths
 from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
 from tests.e2e.stack import Stack, free_port
@@ -102,6 +103,31 @@ def test_message_lost_after_commit_is_published_again(faulty: Stack) -> None:
     doc = faulty.wait_stopped(task["task_id"], timeout=60)
     assert doc["task_status"] == 0, doc
     assert runs_of(faulty, task["task_id"]) == [(0, 0, 1), (1, 0, 1)]
+
+
+def test_a_queue_behind_by_more_than_requeue_after_gets_no_copies(faulty: Stack) -> None:
+    # Its worker down, beta's queue holds step 1 of each task past REQUEUE_AFTER (2 s):
+    # the sweep leaves them there, where a copy each would only lengthen the backlog.
+    faulty.kill(BETA)
+    settings = Settings(broker_url=faulty.env.get("ASYNCFLOW_BROKER_URL"), home=faulty.home)
+    with make_celery(settings).connection_for_write() as conn:  # stale copies from earlier tests
+        conn.default_channel.queue_purge(queue_name("beta"))
+    ids = [faulty.submit("short", {})["task_id"] for _ in range(8)]
+    queued = {i: wait_for(lambda i=i: queued_due(faulty, i), 30, "step 1 to be queued") for i in ids}
+    # Each looked at by the sweep twice (its due time moved on by REQUEUE_AFTER each time).
+    for task_id, due in queued.items():
+        wait_for(lambda t=task_id, d=due: (queued_due(faulty, t) or 0) >= d + 4, 30, "two requeue passes")
+    assert queue_depths(settings, [queue_name("beta")], 10) == {queue_name("beta"): len(ids)}
+    faulty.respawn(BETA)
+    for task_id in ids:
+        assert faulty.wait_stopped(task_id, timeout=60)["task_status"] == 0
+        assert runs_of(faulty, task_id) == [(0, 0, 1), (1, 0, 1)]
+
+
+def queued_due(stack: Stack, task_id: str) -> float | None:
+    """When the sweep looks next at step 1 of ``task_id``, while it is queued."""
+    current = stack.get(task_id)["current"] or {}
+    return current["due_at"] if current.get("cursor") == 1 and current.get("phase") == "queued" else None
 
 
 def test_worker_killed_between_the_handlers_end_and_the_commit_runs_the_step_again(

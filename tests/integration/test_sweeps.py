@@ -98,3 +98,28 @@ def test_a_sweep_pass_stops_at_its_deadline_and_the_next_passes_finish_the_rest(
         passes.append(sweep_tasks(service, clock(), until=time.monotonic() + 0.1))
     assert sorted(m.task_id for m in publisher.messages) == sorted(ids)  # each published again once
     assert sweep_tasks(service, clock()) == 0
+
+
+def test_queued_messages_of_a_module_with_a_backlog_are_left_in_its_queue(store: TaskStore) -> None:  # noqa: F811
+    clock, publisher = ManualClock(), QueuePublisher()
+    service = TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING)
+    ids = [service.submit("one", {})[0].task_id for _ in range(5)]
+    publisher.messages.clear()  # still waiting in the broker, behind a backlog
+    asked: list[int] = []
+
+    def backlogged() -> frozenset[str]:
+        asked.append(1)
+        return frozenset({"m"})
+
+    clock.advance(5)
+    assert sweep_tasks(service, clock(), backlogged=backlogged) == 5
+    assert not publisher.messages and asked == [1]  # asked once a pass, nothing published
+    assert all(service.get(i).active.due_at == clock() + 5 for i in ids)
+    assert sweep_tasks(service, clock(), backlogged=backlogged) == 0  # not due again before requeue_after
+
+    def unknown() -> frozenset[str]:
+        raise TimeoutError("the broker did not answer")
+
+    clock.advance(5)
+    assert sweep_tasks(service, clock(), backlogged=unknown) == 5  # no answer: published again, as before
+    assert sorted(m.task_id for m in publisher.messages) == sorted(ids)

@@ -227,6 +227,18 @@ def test_requeue_republishes_a_queued_message_only_once_due() -> None:
     assert decide(started, Requeue(seq), due + 1000).ignored  # running: nothing to re-publish
 
 
+def test_a_requeue_leaves_a_message_in_its_queue_s_backlog_and_looks_again_later() -> None:
+    task = submitted(flow(0))
+    seq, due = task.active.seq, task.active.due_at
+    d = decide(task, Requeue(seq, frozenset({"m"})), due)
+    assert not d.messages and not d.ignored
+    assert d.task.active == replace(task.active, due_at=due + 30.0)  # same message, same phase
+    assert decide(d.task, Requeue(seq, frozenset({"m"})), due + 29).ignored  # not due again yet
+    (again,) = decide(d.task, Requeue(seq, frozenset({"other"})), due + 30).messages  # the backlog is gone
+    assert again.seq == seq
+    assert decide(d.task, Started(seq), due + 1).task.active.phase is Phase.RUNNING  # the copy queued starts
+
+
 def test_publish_failure_brings_the_requeue_forward() -> None:
     task = submitted(flow(0))
     d = decide(task, PublishFailed(task.active.seq), 101.0, Timing(publish_retry=2.0))
