@@ -31,8 +31,9 @@ from shared.storage.sql_schedules import SqlScheduleStore
 
 log = logging.getLogger(__name__)
 
-# How long the requeue sweep waits for the broker's queue depths before publishing again anyway.
-DEPTH_TIMEOUT = 2.0
+# How long the requeue sweep waits for each of the broker's answers about queue depths
+# before publishing again anyway: within the sweep pass's own budget (a tenth of the lease).
+DEPTH_TIMEOUT = 0.5
 
 
 def _pull_setup(module: str, flows: FlowSet, grace: float) -> tuple[ModuleDecl, TaskType] | None:

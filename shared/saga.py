@@ -43,6 +43,9 @@ class Timing:
     """Bounds of the governance sweeps, in seconds (settings pass them in)."""
 
     requeue_after: float = 30.0  # queued, not started: publish again
+    # Requeue passes that may leave a queued message in its queue's backlog before it
+    # is published again anyway (a message lost in a crash is then late, not lost).
+    requeue_holds: int = 10
     expire_grace: float = 15.0  # running past timeout + this: a lost attempt
     publish_retry: float = 2.0  # a publish failed: try again this soon
     # Above 0: a running attempt whose worker sends no Heartbeat for this long is
@@ -78,10 +81,13 @@ class Requeue:
 
     ``backlogged``: modules whose queues still hold messages waiting their turn. A
     message of one of them is most likely among those (messages are persistent, on
-    durable queues), so it is looked at again after ``requeue_after`` instead: a
-    copy published into a backlog is one more message to deliver, read and drop as
-    stale, and a queue ``requeue_after`` behind would get a copy of every message
-    at every pass, so it would fall further behind.
+    durable queues), so it is looked at again after ``requeue_after`` instead, up
+    to ``Timing.requeue_holds`` times: a copy published into a backlog is one more
+    message to deliver, read and drop as stale, and a queue ``requeue_after`` behind
+    would get a copy of every message at every pass, so it would fall further
+    behind. The bound is for the message that is not there after all (lost between
+    the commit and the publish, or by the broker). One the broker refused
+    (:class:`PublishFailed`) is never held.
     """
 
     seq: int
@@ -216,12 +222,14 @@ def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING
     assert active is not None
     if isinstance(event, Requeue) and task.cancel_requested and task.status is not TaskStatus.ROLLING_BACK:
         return _cancelled_before_running(task, now, timing)
-    if isinstance(event, Requeue) and task.steps[active.cursor].action(active.type).module in event.backlogged:
-        return Decision(replace(task, active=replace(active, due_at=now + timing.requeue_after)))
+    if isinstance(event, Requeue) and _held(task, event.backlogged, timing):
+        return Decision(replace(task, active=replace(active, due_at=now + timing.requeue_after, held=active.held + 1)))
     if isinstance(event, Due | Requeue):
         return _publish_again(task, now, timing)
     if isinstance(event, PublishFailed):
-        return Decision(replace(task, active=replace(active, due_at=now + timing.publish_retry)))
+        # Not in any queue: published again at its next look, whatever the backlog.
+        failed = replace(active, due_at=now + timing.publish_retry, held=timing.requeue_holds)
+        return Decision(replace(task, active=failed))
     if isinstance(event, Started):
         return _started(task, now, timing, event.heartbeats)
     if isinstance(event, Heartbeat):
@@ -236,6 +244,13 @@ def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING
     if isinstance(event, Failed):
         return _failed(task, event, now, timing)
     return _poll_later(task, event, now, timing)
+
+
+def _held(task: Task, backlogged: frozenset[str], timing: Timing) -> bool:
+    """Whether a due queued message stays in its module's backlog for another ``requeue_after``."""
+    active = task.active
+    assert active is not None
+    return active.held < timing.requeue_holds and task.steps[active.cursor].action(active.type).module in backlogged
 
 
 def stale(task: Task, event: StepEvent, now: float) -> str | None:
@@ -327,7 +342,7 @@ def _submit(task: Task, now: float, timing: Timing) -> Decision:
 def _publish_again(task: Task, now: float, timing: Timing) -> Decision:
     """Publish the outstanding message (same seq: a copy still in flight stays harmless)."""
     assert task.active is not None
-    active = replace(task.active, phase=Phase.QUEUED, due_at=now + timing.requeue_after)
+    active = replace(task.active, phase=Phase.QUEUED, due_at=now + timing.requeue_after, held=0)
     task = replace(task, active=active)
     return Decision(task, messages=(message_for(task),))
 

@@ -71,6 +71,8 @@ class Active:
     phase: Phase
     due_at: float | None = None
     started_at: float | None = None
+    # Requeue passes that left it in its queue's backlog (saga.Requeue); bounded by Timing.requeue_holds.
+    held: int = 0
 
 
 @dataclass(frozen=True)

@@ -377,6 +377,9 @@ class CeleryPublisher:
             argsrepr=f"{message.task_id} step {message.cursor} seq {message.seq}",
             kwargsrepr="",
             producer=producer,
+            # A confirm that never comes (RabbitMQ's resource alarm) fails the publish
+            # instead of holding the caller's thread: the sweep publishes it later.
+            confirm_timeout=self.CONFIRM_TIMEOUT,
         )
 
     def _level(self, message: StepMessage) -> int:

@@ -27,9 +27,9 @@ def sweep_tasks(
 
     Waiting messages are published, queued ones that nobody started are
     published again, running ones past their deadline count as failed. With
-    ``until`` (on ``time.monotonic``) the pass stops there and leaves the rest
-    due for the next one: under load each takes a write and a publish, and 500
-    of them can outlast the scheduler's lease.
+    ``until`` (on ``time.monotonic``) the pass stops there, after one at least,
+    and leaves the rest due for the next one: under load each takes a write and
+    a publish, and 500 of them can outlast the scheduler's lease.
 
     ``backlogged`` names the modules whose queues hold messages waiting now,
     asked once per pass, when a queued message is first due: the queued messages
@@ -38,9 +38,9 @@ def sweep_tasks(
     changed = left = 0
     can_publish = service.publisher.healthy()
     busy: frozenset[str] | None = None
-    for task_id, seq, phase in service.due(now, limit):
-        if until is not None and time.monotonic() >= until:
-            break
+    for n, (task_id, seq, phase) in enumerate(service.due(now, limit)):
+        if n and until is not None and time.monotonic() >= until:
+            break  # at least one a pass, however slow the query before it
         if phase is not Phase.RUNNING and not can_publish:
             continue  # leave it due; publishing now would only fail again
         event: Due | Requeue | Expire

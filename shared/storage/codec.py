@@ -110,6 +110,7 @@ def task_to_row(task: Task, now: float) -> dict[str, Any]:
         "active_phase": int(active.phase) if active else None,
         "due_at": active.due_at if active else None,
         "active_started_at": active.started_at if active else None,
+        "active_held": active.held if active else 0,
         "version": task.version,
     }
 
@@ -126,6 +127,7 @@ def task_from_row(row: Any) -> Task:
             phase=Phase(m["active_phase"]),
             due_at=m["due_at"],
             started_at=m["active_started_at"],
+            held=m["active_held"],
         )
     return Task(
         task_id=m["task_id"],

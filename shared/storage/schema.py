@@ -50,6 +50,7 @@ tasks = Table(
     Column("active_phase", SmallInteger),
     Column("due_at", Double),
     Column("active_started_at", Double),
+    Column("active_held", SmallInteger, nullable=False, server_default="0"),
     Column("version", Integer, nullable=False, default=0),
     Index("ix_af_tasks_created", "created_at"),
     Index("ix_af_tasks_flow_created", "flow", "created_at"),

@@ -109,6 +109,12 @@ class TestTaskStoreContract:
         assert store.save(busy, NOW + 10) is True
         assert store.get(task.task_id) == replace(busy, version=2)
 
+    def test_a_queued_message_keeps_its_count_of_requeue_holds(self, store: TaskStore) -> None:
+        task, _ = store.create(submitted(), NOW)
+        held = replace(task, active=Active(1, 0, StepType.NORMAL, 1, Phase.QUEUED, due_at=NOW + 60, held=4))
+        assert store.save(held, NOW + 30) is True
+        assert store.get(task.task_id) == replace(held, version=2)
+
     def test_get_unknown_task_is_none(self, store: TaskStore) -> None:
         assert store.get("nope") is None
 

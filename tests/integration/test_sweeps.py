@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 from shared.flows import parse_flows
 from shared.saga import Timing
@@ -123,3 +124,18 @@ def test_queued_messages_of_a_module_with_a_backlog_are_left_in_its_queue(store:
     clock.advance(5)
     assert sweep_tasks(service, clock(), backlogged=unknown) == 5  # no answer: published again, as before
     assert sorted(m.task_id for m in publisher.messages) == sorted(ids)
+
+
+def test_a_message_held_in_a_backlog_requeue_holds_times_is_published_again(store: TaskStore) -> None:  # noqa: F811
+    # It may have been lost after all (between a commit and its publish): late, not never.
+    clock, publisher = ManualClock(), QueuePublisher()
+    service = TaskService(store, publisher, FLOWS, clock=clock, timing=replace(TIMING, requeue_holds=2))
+    task_id = service.submit("one", {})[0].task_id
+    publisher.messages.clear()
+    for _ in range(2):
+        clock.advance(5)
+        assert sweep_tasks(service, clock(), backlogged=lambda: frozenset({"m"})) == 1
+        assert not publisher.messages
+    clock.advance(5)
+    assert sweep_tasks(service, clock(), backlogged=lambda: frozenset({"m"})) == 1
+    assert [m.task_id for m in publisher.messages] == [task_id]

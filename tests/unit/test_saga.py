@@ -232,11 +232,26 @@ def test_a_requeue_leaves_a_message_in_its_queue_s_backlog_and_looks_again_later
     seq, due = task.active.seq, task.active.due_at
     d = decide(task, Requeue(seq, frozenset({"m"})), due)
     assert not d.messages and not d.ignored
-    assert d.task.active == replace(task.active, due_at=due + 30.0)  # same message, same phase
+    assert d.task.active == replace(task.active, due_at=due + 30.0, held=1)  # same message, same phase
     assert decide(d.task, Requeue(seq, frozenset({"m"})), due + 29).ignored  # not due again yet
     (again,) = decide(d.task, Requeue(seq, frozenset({"other"})), due + 30).messages  # the backlog is gone
     assert again.seq == seq
     assert decide(d.task, Started(seq), due + 1).task.active.phase is Phase.RUNNING  # the copy queued starts
+
+
+def test_a_message_is_held_in_a_backlog_a_bounded_number_of_times_and_one_refused_never() -> None:
+    timing = Timing(requeue_holds=3)
+    backlog = frozenset({"m"})
+    task = decide(new_task("t1", flow(0), {}, now=100.0), Submit(), 100.0, timing).task
+    seq, now = task.active.seq, task.active.due_at
+    for held in range(1, 4):
+        d = decide(task, Requeue(seq, backlog), now, timing)
+        assert not d.messages and d.task.active.held == held
+        task, now = d.task, d.task.active.due_at
+    d = decide(task, Requeue(seq, backlog), now, timing)  # lost after all, perhaps: published again
+    assert [m.seq for m in d.messages] == [seq] and d.task.active.held == 0
+    refused = decide(d.task, PublishFailed(seq), now, timing).task
+    assert decide(refused, Requeue(seq, backlog), refused.active.due_at, timing).messages
 
 
 def test_publish_failure_brings_the_requeue_forward() -> None:
