@@ -127,7 +127,7 @@ def task_from_row(row: Any) -> Task:
             phase=Phase(m["active_phase"]),
             due_at=m["due_at"],
             started_at=m["active_started_at"],
-            held=m["active_held"],
+            held=m.get("active_held") or 0,  # rows written before 0006 have none
         )
     return Task(
         task_id=m["task_id"],
