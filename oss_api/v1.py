@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
@@ -35,6 +35,7 @@ from shared.runtime import Runtime
 from shared.service import DuplicateTaskId, TaskNotFound, at_index
 from shared.storable import json_problem
 from shared.storage import StorageUnavailable, TaskConflict
+from shared.storage.codec import json_text
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +292,17 @@ def _problems(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
 
 
-def _answer(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def _answer(call: Callable[[], dict[str, Any]]) -> Response:
+    """The v1 answer of ``call``, encoded once: a route that returned the dict would have
+    FastAPI walk it whole (jsonable_encoder) before encoding it, 7 % of hold_tasks' CPU."""
+    return _json(_answered(call))
+
+
+def _json(answer: dict[str, Any]) -> Response:
+    return Response(json_text(answer), media_type="application/json")
+
+
+def _answered(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         return call()
     except V1Error as exc:
@@ -330,8 +341,8 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return task
 
     @router.get("/ping", **_documented(Answer, open_=True))
-    def ping() -> dict[str, Any]:
-        return ok()
+    def ping() -> Response:
+        return _answer(ok)
 
     def owned(who: Caller, data: CreateTaskData) -> str:
         """The user_id a new task gets: the one asked for by an admin, else the caller's own."""
@@ -342,7 +353,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return who.user or ""
 
     @router.post("/create_task", **_documented(CreatedAnswer, CreateTask))
-    async def create_task(request: Request) -> dict[str, Any]:
+    async def create_task(request: Request) -> Response:
         who = request_caller(request)
         def call(body: CreateTask) -> dict[str, Any]:
             data = body.task_data
@@ -354,7 +365,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, CreateTask, call)
 
     @router.post("/create_tasks", **_documented(CreatedListAnswer, CreateTasks))
-    async def create_tasks(request: Request) -> dict[str, Any]:
+    async def create_tasks(request: Request) -> Response:
         """Up to 1,000 tasks in one call, stored in one transaction: all of them or, on any error, none."""
         who = request_caller(request)
         def call(body: CreateTasks) -> dict[str, Any]:
@@ -373,7 +384,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, CreateTasks, call)
 
     @router.post("/register_task_type", **_documented(Answer, RegisterTaskType))
-    async def register_task_type(request: Request) -> dict[str, Any]:
+    async def register_task_type(request: Request) -> Response:
         who = request_caller(request)
         def call(body: RegisterTaskType) -> dict[str, Any]:
             admin(who)
@@ -383,7 +394,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, RegisterTaskType, call)
 
     @router.post("/register_task", **_documented(Answer, RegisterTask))
-    async def register_task(request: Request) -> dict[str, Any]:
+    async def register_task(request: Request) -> Response:
         who = request_caller(request)
         def call(body: RegisterTask) -> dict[str, Any]:
             admin(who)
@@ -393,7 +404,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, RegisterTask, call)
 
     @router.post("/hold_tasks", **_documented(HeldAnswer, HoldTasks))
-    async def hold_tasks(request: Request) -> dict[str, Any]:
+    async def hold_tasks(request: Request) -> Response:
         who = request_caller(request)
         def call(body: HoldTasks) -> dict[str, Any]:
             admin(who)
@@ -405,7 +416,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, HoldTasks, call)
 
     @router.post("/set_task", **_documented(Answer, SetTask))
-    async def set_task(request: Request) -> dict[str, Any]:
+    async def set_task(request: Request) -> Response:
         who = request_caller(request)
         def call(body: SetTask) -> dict[str, Any]:
             admin(who)
@@ -423,12 +434,12 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return await _post(request, SetTask, call)
 
     @router.get("/get_task", **_documented(TaskAnswer))
-    def get_task(request: Request, task_id: str = "") -> dict[str, Any]:
+    def get_task(request: Request, task_id: str = "") -> Response:
         who = request_caller(request)
         return _answer(lambda: ok(task_data=task_json(owner(who, service().get(_id(task_id))))))
 
     @router.get("/get_task_schedule_cfg_list", **_documented(TypesAnswer))
-    def get_task_schedule_cfg_list(request: Request) -> dict[str, Any]:
+    def get_task_schedule_cfg_list(request: Request) -> Response:
         request_caller(request)
         return _answer(
             lambda: ok(task_schedule_cfg_list=[t.model_dump() for t in service().types()])
@@ -441,7 +452,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         status: str | None = None,
         limit: str = "100",
         stage: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> Response:
         # Query values are parsed here, not by FastAPI, so that a bad one is a
         # v1 answer (code 1) rather than FastAPI's HTTP 422.
         who = request_caller(request)
@@ -461,7 +472,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         return _answer(call)
 
     @router.get("/get_task_counts_by_type", **_documented(CountsAnswer))
-    def get_task_counts_by_type(request: Request, task_type: str = "") -> dict[str, Any]:
+    def get_task_counts_by_type(request: Request, task_type: str = "") -> Response:
         who = request_caller(request)
         def call() -> dict[str, Any]:
             admin(who)
@@ -496,11 +507,11 @@ def _integer(name: str, text: str, low: int, high: int) -> int:
     return value
 
 
-async def _post(request: Request, model: type[Any], act: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+async def _post(request: Request, model: type[Any], act: Callable[[Any], dict[str, Any]]) -> Response:
     """Parse the body into ``model``, then run ``act`` on it, answering in the v1 form."""
     try:
         body = await _parse(request, model)
     except V1Error as exc:
-        return fail(exc.reason, str(exc))
+        return _json(fail(exc.reason, str(exc)))
     # The store is synchronous: run it in the thread pool like the sync routes.
     return await run_in_threadpool(_answer, lambda: act(body))
