@@ -77,6 +77,39 @@ def test_a_single_message_goes_on_the_pools_connection(
     app.close()
 
 
+@pytest.mark.rabbitmq
+def test_a_queue_is_declared_once_per_connection_and_again_after_a_reconnect(
+    broker_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # send_task had kombu bind a copy of the queue per message just to find it declared.
+    settings = Settings(home=tmp_path, broker_url=broker_url, continue_within=5, hard_timeout_grace=2)
+    app = make_celery(settings)
+    publisher = CeleryPublisher(app, settings)
+    declared: list[str] = []
+    declare = Queue.declare
+    monkeypatch.setattr(Queue, "declare", lambda self, *a, **kw: declared.append(self.name) or declare(self, *a, **kw))
+    messages = [step_message("alpha", seq=3, task_id=f"t-{i}", cursor=1) for i in range(6)]
+    for message in messages[:5]:
+        publisher.publish(message)
+    assert declared == [queue_name("alpha")]
+    with app.producer_or_acquire() as producer:
+        producer.connection.close()  # kombu forgets what a closed connection declared
+    publisher.publish(messages[5])
+    assert declared == [queue_name("alpha")] * 2
+    queue = Queue(queue_name("alpha"), routing_key=queue_name("alpha"), queue_arguments={"x-max-priority": MAX_PRIORITY})
+    with Connection(broker_url) as conn, conn.SimpleQueue(queue) as simple:
+        assert simple.qsize() == 6
+        got = simple.get(timeout=5)
+        # What a Celery worker reads: the task, its limits (timeout + continue_within, + grace) and the log text.
+        assert got.headers["task"] == "asyncflow.step"
+        assert got.headers["timelimit"] == [messages[0].timeout + 7, messages[0].timeout + 5]
+        assert got.headers["argsrepr"] == "t-0 step 1 seq 3"
+        args, kwargs, _ = got.decode()
+        assert args[0]["task_id"] == "t-0" and kwargs == {}
+        got.ack()
+    app.close()
+
+
 def test_a_batch_with_the_broker_unreachable_comes_back_whole_as_failed(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path, broker_url=f"amqp://guest:guest@127.0.0.1:{free_port()}//")
     app = make_celery(settings)
