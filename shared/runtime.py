@@ -191,9 +191,9 @@ class Runtime:
 
     def backlogged_modules(self) -> frozenset[str]:
         """The push modules whose queues hold messages waiting now, as the broker counts them."""
-        modules = sorted(self.flows.push_module_names())
-        depths = queue_depths(self.settings, [queue_name(m) for m in modules], DEPTH_TIMEOUT)
-        return frozenset(m for m in modules if depths.get(queue_name(m), 0) > 0)
+        queues = {queue_name(m): m for m in sorted(self.flows.push_module_names())}
+        depths = queue_depths(self.settings, list(queues), DEPTH_TIMEOUT)
+        return frozenset(m for q, m in queues.items() if depths.get(q, 0) > 0)
 
     def consumer(self, names: list[str]) -> StepConsumer:
         """The step consumer of a worker serving ``names``, with its Celery tasks registered."""

@@ -372,7 +372,8 @@ class CeleryPublisher:
             replace(message, sent_at=time.time()).to_payload(),
             queue_name(message.module),
             priority=self._level(message),
-            limits=(soft_limit + self.grace, soft_limit),
+            time_limit=soft_limit + self.grace,
+            soft_time_limit=soft_limit,
             # What Celery's logs show for the message: which step of which task. Celery
             # would otherwise render the whole payload, Parameters included, per publish.
             argsrepr=f"{message.task_id} step {message.cursor} seq {message.seq}",
@@ -386,7 +387,8 @@ class CeleryPublisher:
         queue: str,
         argsrepr: str,
         priority: int | None = None,
-        limits: tuple[float, float] | None = None,
+        time_limit: float | None = None,
+        soft_time_limit: float | None = None,
         producer: Any = None,
     ) -> None:
         """Publish a Celery task message, built by Celery, through kombu's producer.
@@ -397,9 +399,15 @@ class CeleryPublisher:
         (benchmarks/README.md). The queue is declared once per connection: kombu
         forgets its declarations when it connects again.
         """
-        hard, soft = limits if limits is not None else (None, None)
         headers, properties, body, _ = self.app.amqp.create_task_message(
-            uuid(), task, [payload], None, time_limit=hard, soft_time_limit=soft, argsrepr=argsrepr, kwargsrepr=""
+            uuid(),
+            task,
+            [payload],
+            None,
+            time_limit=time_limit,
+            soft_time_limit=soft_time_limit,
+            argsrepr=argsrepr,
+            kwargsrepr="",
         )
         declared = self.app.amqp.queues[queue]
         with self.app.producer_or_acquire(producer) as sender:
