@@ -110,8 +110,12 @@ def test_a_queue_behind_by_more_than_requeue_after_gets_no_copies(faulty: Stack)
     # the sweep leaves them there, where a copy each would only lengthen the backlog.
     faulty.kill(BETA)
     settings = Settings(broker_url=faulty.env.get("ASYNCFLOW_BROKER_URL"), home=faulty.home)
-    with make_celery(settings).connection_for_write() as conn:  # stale copies from earlier tests
-        conn.default_channel.queue_purge(queue_name("beta"))
+    app = make_celery(settings)
+    with app.connection_for_write() as conn:  # stale copies from earlier tests
+        # Declared as a publisher declares it: run first, the worker may have died before it did.
+        queue = app.amqp.queues[queue_name("beta")](conn.default_channel)
+        queue.declare()
+        queue.purge()
     ids = [faulty.submit("short", {})["task_id"] for _ in range(8)]
     queued = {i: wait_for(lambda i=i: queued_due(faulty, i), 30, "step 1 to be queued") for i in ids}
     # Each looked at by the sweep twice (its due time moved on by REQUEUE_AFTER each time).
