@@ -35,7 +35,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import pct  # noqa: E402
-from stack import Backend, SetupError, Stack, log, machine_info, setup_postgres  # noqa: E402
+from stack import Backend, SetupError, Stack, log, machine_info, servers_cpu, setup_postgres  # noqa: E402
 
 SEED = {"create_task": 3000, "hold_tasks": 2000}
 
@@ -134,6 +134,15 @@ def prefill(database_url: str, task_type: str, count: int) -> None:
     store.close()
 
 
+def intake_batch_mean(exposition: str, call: str) -> float | None:
+    """Mean of asyncflow_api_intake_batch_size for ``call``: requests stored per transaction."""
+    found = {}
+    for kind in ("sum", "count"):
+        hit = re.search(rf'^asyncflow_api_intake_batch_size_{kind}{{call="{call}"}} (\S+)$', exposition, re.M)
+        found[kind] = float(hit.group(1)) if hit else 0.0
+    return found["sum"] / found["count"] if found["count"] else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=["postgres", "embedded"], default="postgres")
@@ -182,11 +191,18 @@ def main(argv: list[str] | None = None) -> int:
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
             for name, body in calls.items():
                 log(f"{name} phase")
+                api_before, pg_before = stack.cpu()["api"], servers_cpu()["postgresql"]
                 if args.load == "wrk":
                     results[name] = wrk_phase(url, "/v1/" + name, body, args.clients, args.seconds)
                 else:
                     results[name] = phase(pool, url, "/v1/" + name, body, args.clients, args.seconds)
+                calls_done = max(results[name]["calls"], 1)
+                results[name]["api_cpu_ms"] = 1000 * (stack.cpu()["api"] - api_before) / calls_done
+                results[name]["pg_cpu_ms"] = 1000 * (servers_cpu()["postgresql"] - pg_before) / calls_done
         stack.check_alive()
+        # Each API process's counts reach /metrics with its next heartbeat; the hold phase outlasts one.
+        exposition = httpx.get(url + "/metrics").text
+        results["create_task"]["per_transaction"] = intake_batch_mean(exposition, "create_task")
     except SetupError as exc:
         log(f"setup failed: {exc}")
         return 3
@@ -206,8 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         extra = f", {args.schedule_limit} task(s) per call" if name == "hold_tasks" else ""
         print(f"{name:<12}: {r['calls_per_s']:8.0f} calls/s ({r['calls']} ok, {r['errors']} errors{extra}); "
-              f"latency p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms   "
+              f"latency p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; "
+              f"CPU per call: api {r['api_cpu_ms']:.2f} ms, PostgreSQL {r['pg_cpu_ms']:.2f} ms   "
               f"[seed 000, MySQL, 2c4g, quoted: {SEED[name]} QPS]")
+    per_transaction = results["create_task"].get("per_transaction")
+    if per_transaction is not None:
+        print(f"create_task calls stored per transaction (coalesced by the API): {per_transaction:.1f} on average")
     return 0 if all(r["errors"] == 0 for r in results.values()) else 1
 
 

@@ -24,10 +24,12 @@ from oss_api.auth import (
     submit_user,
     visible_task,
 )
+from oss_api.coalesce import Coalescer
 from oss_api.limits import BodyLimit, check_parameters_size
 from oss_api.metrics import StackMetrics
 from oss_api.schedules import schedule_routes
 from oss_api.schemas import (
+    MAX_BATCH,
     BatchAnswer,
     BatchItem,
     OperationRequest,
@@ -50,6 +52,7 @@ from shared.saga import Cancel, Resume, Retry
 from shared.service import ServiceError, Submission, TaskService, at_index
 from shared.states import TaskStatus
 from shared.storage import TaskFilter
+from shared.task import Task
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +160,10 @@ def _task_routes(runtime: Runtime) -> APIRouter:
         return runtime.service
 
     Service = Annotated[TaskService, Depends(service)]
+    # Submits that arrive together are stored in one transaction (oss_api.coalesce).
+    submits: Coalescer[Submission, tuple[Task, bool]] = Coalescer(
+        "submit", lambda batch: runtime.service.submit_each(batch), MAX_BATCH
+    )
 
     @router.post(
         "/tasks",
@@ -180,21 +187,15 @@ def _task_routes(runtime: Runtime) -> APIRouter:
             ),
         },
     )
-    def submit(
+    async def submit(
         body: SubmitRequest,
         who: CallerDep,
-        svc: Service,
         idempotency_key: Annotated[str | None, Header(max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")] = None,
     ) -> Response:
         user_id = submit_user(who, body.user_id)
         check_parameters_size(body.parameters, settings.max_parameters_bytes)
-        task, created = svc.submit(
-            body.flow,
-            body.parameters,
-            priority=body.priority,
-            user_id=user_id,
-            task_id=body.task_id or idempotency_key,
-        )
+        task_id = body.task_id or idempotency_key
+        task, created = await submits(Submission(body.flow, body.parameters, body.priority, user_id, task_id))
         # Encoded here, once: returned as a model, the document would be validated
         # against TaskDocument again and then encoded (9 % of the API's CPU in a burst).
         return Response(TaskDocument.of(task).model_dump_json(), 201 if created else 200, media_type="application/json")

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.concurrency import run_in_threadpool
 
 from oss_api.auth import Caller, Forbidden, request_caller
+from oss_api.coalesce import Coalescer
 from oss_api.errors import answers
 from oss_api.schemas import MAX_BATCH
 from shared.names import NAME
@@ -305,23 +306,28 @@ def _json(answer: dict[str, Any]) -> Response:
 def _answered(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         return call()
-    except V1Error as exc:
+    except Exception as exc:
+        return _failed(exc)
+
+
+def _failed(exc: Exception) -> dict[str, Any]:
+    """The v1 answer of a call that raised ``exc``."""
+    if isinstance(exc, V1Error):
         return fail(exc.reason, str(exc))
-    except (UnknownTaskType, TaskNotFound) as exc:
+    if isinstance(exc, UnknownTaskType | TaskNotFound):
         return fail("NOT_FOUND", str(exc))
-    except (TaskConflict, InvalidReport, ReservedTaskType) as exc:
+    if isinstance(exc, TaskConflict | InvalidReport | ReservedTaskType):
         return fail("CONFLICT", str(exc))
-    except (InvalidStepReport, DuplicateTaskId) as exc:
+    if isinstance(exc, InvalidStepReport | DuplicateTaskId):
         return fail("INPUT_INVALID", str(exc))
-    except Forbidden as exc:
+    if isinstance(exc, Forbidden):
         return fail("FORBIDDEN", str(exc))
-    except ValidationError as exc:
+    if isinstance(exc, ValidationError):
         return fail("INPUT_INVALID", _problems(exc))
-    except StorageUnavailable:
+    if isinstance(exc, StorageUnavailable):
         return fail("DB_UNAVAILABLE", "the task database is unavailable; try again shortly")
-    except Exception:
-        log.exception("v1 request failed")
-        return fail("INTERNAL", "internal error; see the server log")
+    log.error("v1 request failed", exc_info=exc)
+    return fail("INTERNAL", "internal error; see the server log")
 
 
 def v1_routes(runtime: Runtime) -> APIRouter:
@@ -352,17 +358,23 @@ def v1_routes(runtime: Runtime) -> APIRouter:
             raise Forbidden("cannot create tasks for another user")
         return who.user or ""
 
+    # create_task calls that arrive together are stored in one transaction (oss_api.coalesce).
+    creates: Coalescer[NewPullTask, tuple[PullTask, bool]] = Coalescer(
+        "create_task", lambda batch: service().create_each(batch), MAX_BATCH
+    )
+
     @router.post("/create_task", **_documented(CreatedAnswer, CreateTask))
     async def create_task(request: Request) -> Response:
         who = request_caller(request)
-        def call(body: CreateTask) -> dict[str, Any]:
-            data = body.task_data
-            task, _ = service().create(
+        try:
+            data = (await _parse(request, CreateTask)).task_data
+            new = NewPullTask(
                 data.task_type, data.task_content, owned(who, data), data.task_priority, data.task_stage, data.task_id
             )
-            return ok(task_id=task.task_id)
-
-        return await _post(request, CreateTask, call)
+            task, _ = await creates(new)
+        except Exception as exc:
+            return _json(_failed(exc))
+        return _json(ok(task_id=task.task_id))
 
     @router.post("/create_tasks", **_documented(CreatedListAnswer, CreateTasks))
     async def create_tasks(request: Request) -> Response:

@@ -61,6 +61,14 @@ V1_LEASE_EXPIRIES = Counter(
     "asyncflow_v1_lease_expiries_total", "v1 leases the scheduler ended (worker silent or too slow)", ["task_type"]
 )
 
+# The API's intake (oss_api.coalesce): how many concurrent requests one transaction stored.
+INTAKE_BATCH = Histogram(
+    "asyncflow_api_intake_batch_size",
+    "Concurrent submits or create_task calls stored in one transaction, by call",
+    ["call"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1000),
+)
+
 # Schedules: every firing by what became of it, and how late the fired ones were.
 SCHEDULE_RUNS = Counter("asyncflow_schedule_runs_total", "Schedule firings recorded, by state", ["state"])
 SCHEDULE_LATENESS = Histogram(

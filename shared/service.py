@@ -42,7 +42,8 @@ from shared.saga import (
     unrecorded_start,
 )
 from shared.states import Phase, StepType
-from shared.storage import AttemptRecord, TaskEvent, TaskFilter, TaskStore
+from shared.storage import AttemptRecord, TaskConflict, TaskEvent, TaskFilter, TaskStore
+from shared.storage.base import all_stored, create_each
 from shared.task import Alarm, StepMessage, Task, new_task
 from shared.transition import compare_and_set
 
@@ -181,9 +182,33 @@ class TaskService:
                 decisions.append(self.prepare(sub.flow, sub.parameters, sub.priority, sub.user_id, task_id))
             except ServiceError as exc:
                 raise at_index(exc, i) from None
-        stored = self.store.create_many([d.task for d in decisions], self.clock())
+        stored = all_stored(self.store.create_many([d.task for d in decisions], self.clock()))
         self.dispatch([decision for decision, (_, created) in zip(decisions, stored, strict=True) if created])
         return stored
+
+    def submit_each(self, batch: Sequence[Submission]) -> builtins.list[tuple[Task, bool] | Exception]:
+        """Concurrent single submits (the API's, coalesced), stored in one transaction.
+
+        Each is answered as :meth:`submit` would answer it alone: the task as
+        stored and whether it is new, or the error that refused it (unknown flow,
+        invalid parameters, an id taken by another flow or user), which takes
+        nothing from the others. A database error is raised for all of them.
+        """
+        prepared: builtins.list[Decision | ServiceError] = []
+        for sub in batch:
+            try:
+                task_id = sub.task_id or uuid.uuid4().hex
+                prepared.append(self.prepare(sub.flow, sub.parameters, sub.priority, sub.user_id, task_id))
+            except ServiceError as exc:
+                prepared.append(exc)
+        decisions = [d for d in prepared if isinstance(d, Decision)]
+        now = self.clock()
+        stored = create_each([d.task for d in decisions], lambda tasks: self.store.create_many(tasks, now, each=True))
+        self.dispatch(
+            [d for d, answer in zip(decisions, stored, strict=True) if not isinstance(answer, TaskConflict) and answer[1]]
+        )
+        answers = iter(stored)
+        return [d if isinstance(d, ServiceError) else next(answers) for d in prepared]
 
     def prepare(
         self,

@@ -21,6 +21,7 @@ from shared.pull.rules import (
 )
 from shared.service import DuplicateTaskId, ServiceError, TaskNotFound, at_index
 from shared.storage import PullStore
+from shared.storage.base import all_stored, create_each
 from shared.transition import compare_and_set
 
 if TYPE_CHECKING:
@@ -116,24 +117,52 @@ class PullService:
 
     def create_many(self, batch: Sequence[NewPullTask]) -> list[tuple[PullTask, bool]]:
         """Store every task of ``batch`` at once, or none: the error names the refused one, ``tasks[i]``."""
-        now = self.clock()
-        configs: dict[str, TaskType] = {}
         first_at: dict[str, int] = {}
         tasks = []
-        for i, new in enumerate(batch):
+        for i, task in enumerate(self._new_tasks(batch)):
+            if not isinstance(task, ServiceError) and task.task_id in first_at:
+                task = DuplicateTaskId(f"task_id {task.task_id!r} is also that of tasks[{first_at[task.task_id]}]")
+            if isinstance(task, ServiceError):
+                raise at_index(task, i) from None
+            first_at[task.task_id] = i
+            tasks.append(task)
+        return self._counted(all_stored(self.store.create_many(tasks)))
+
+    def create_each(self, batch: Sequence[NewPullTask]) -> list[tuple[PullTask, bool] | Exception]:
+        """Concurrent create_task calls (the API's, coalesced), stored in one transaction.
+
+        Each is answered as :meth:`create` would answer it alone: the task as
+        stored and whether it is new, or the error that refused it, which takes
+        nothing from the others. A database error is raised for all of them.
+        """
+        prepared = self._new_tasks(batch)
+        stored = create_each(
+            [task for task in prepared if isinstance(task, PullTask)],
+            lambda tasks: self.store.create_many(tasks, each=True),
+        )
+        self._counted([answer for answer in stored if not isinstance(answer, Exception)])
+        answers = iter(stored)
+        return [task if isinstance(task, ServiceError) else next(answers) for task in prepared]
+
+    def _new_tasks(self, batch: Sequence[NewPullTask]) -> list[PullTask | ServiceError]:
+        """The tasks of ``batch`` with their types' settings, or why each cannot be created."""
+        now = self.clock()
+        configs: dict[str, TaskType] = {}
+        tasks: list[PullTask | ServiceError] = []
+        for new in batch:
             task_id = new.task_id or f"{uuid.uuid4().hex}_{new.task_type}"[:MAX_TASK_ID]
-            try:
-                if task_id in first_at:
-                    raise DuplicateTaskId(f"task_id {task_id!r} is also that of tasks[{first_at[task_id]}]")
-                config = configs.get(new.task_type)
-                if config is None:
+            config = configs.get(new.task_type)
+            if config is None:
+                try:
                     self._not_reserved(new.task_type, "its tasks are the steps of flows; submit a flow")
                     config = configs[new.task_type] = self.task_type(new.task_type)
-            except ServiceError as exc:
-                raise at_index(exc, i) from None
-            first_at[task_id] = i
+                except ServiceError as exc:
+                    tasks.append(exc)
+                    continue
             tasks.append(new_pull_task(task_id, config, new.user_id, new.stage, new.content, new.priority, now))
-        stored = self.store.create_many(tasks)
+        return tasks
+
+    def _counted(self, stored: list[tuple[PullTask, bool]]) -> list[tuple[PullTask, bool]]:
         for task, created in stored:
             if created:
                 metrics.V1_CREATED.labels(task.task_type).inc()

@@ -194,12 +194,13 @@ class TaskStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def create_many(self, batch: Sequence[Task], now: float) -> list[tuple[Task, bool]]:
-        """Insert every task of ``batch`` (distinct ids) at once, as :meth:`create` would each.
+    def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> list[Stored[Task]]:
+        """Insert every task of ``batch`` (distinct ids) in one transaction, as :meth:`create` would each.
 
-        All or nothing: an id already stored gives (stored task, False); if any
-        belongs to another flow or user, :class:`TaskConflict` is raised and no
-        task of the batch is stored.
+        An id already stored gives (stored task, False). If one belongs to another
+        flow or user, :class:`TaskConflict` is raised and no task of the batch is
+        stored (all or nothing); with ``each``, that task's answer is the conflict
+        and the others are stored (concurrent single creates, committed together).
         """
 
     @abc.abstractmethod
@@ -276,29 +277,74 @@ def same_pull_request(stored: PullTask, task: PullTask) -> bool:
 
 
 Created = TypeVar("Created", Task, PullTask)
+# What create_many answers for one task of its batch: the task as stored and whether
+# this call created it, or (with ``each``) the conflict that refused it.
+Stored = tuple[Created, bool] | TaskConflict
 
 
 def batch_created(
-    batch: Sequence[Created], inserted: set[str], found: Iterable[Created], same: Callable[[Created, Created], bool]
-) -> list[tuple[Created, bool]]:
+    batch: Sequence[Created],
+    inserted: set[str],
+    found: Iterable[Created],
+    same: Callable[[Created, Created], bool],
+    each: bool = False,
+) -> list[Stored[Created]]:
     """What a create_many answers once it knows the ids it ``inserted`` and the stored tasks ``found`` for the rest.
 
     Its insert skips an id already stored instead of failing and undoing the batch
     (PostgreSQL waits for a concurrent create of that id, then skips it). Such a
-    task must be the ``same`` request again: if not, :class:`TaskConflict` is raised
-    before anything is committed, so that none of the batch is stored.
+    task must be the ``same`` request again. If not, :class:`TaskConflict` is
+    raised before anything is committed, so that none of the batch is stored; or,
+    with ``each``, answered for that task alone while the others are committed.
     """
     stored = {task.task_id: task for task in found}
-    answer = []
+    answer: list[Stored[Created]] = []
     for task in batch:
         if task.task_id in inserted:
             answer.append((replace(task, version=1), True))
             continue
         old = stored.get(task.task_id)
         if old is None or not same(old, task):
-            raise TaskConflict(f"task id {task.task_id!r} is already used")
+            conflict = TaskConflict(f"task id {task.task_id!r} is already used")
+            if not each:
+                raise conflict
+            answer.append(conflict)
+            continue
         answer.append((old, False))
     return answer
+
+
+def all_stored(answer: Sequence[Stored[Created]]) -> list[tuple[Created, bool]]:
+    """The answer of an all-or-none create_many, which raises a conflict instead of answering it."""
+    stored = []
+    for one in answer:
+        if isinstance(one, TaskConflict):
+            raise one
+        stored.append(one)
+    return stored
+
+
+def create_each(
+    tasks: Sequence[Created], create_many: Callable[[Sequence[Created]], Sequence[Stored[Created]]]
+) -> list[Stored[Created]]:
+    """``create_many(batch, each=True)`` for ``tasks`` whose ids may repeat (concurrent replays of one request).
+
+    A repeated id waits for a later transaction, where it finds the first one
+    stored and is answered as a replay of it, or a conflict, as it would be alone.
+    """
+    answers: list[Stored[Created] | None] = [None] * len(tasks)
+    pending = list(range(len(tasks)))
+    while pending:
+        seen: set[str] = set()
+        first: list[int] = []
+        later: list[int] = []
+        for i in pending:
+            (later if tasks[i].task_id in seen else first).append(i)
+            seen.add(tasks[i].task_id)
+        for i, answer in zip(first, create_many([tasks[i] for i in first]), strict=True):
+            answers[i] = answer
+        pending = later
+    return [answer for answer in answers if answer is not None]
 
 
 @dataclass(frozen=True)
@@ -335,12 +381,12 @@ class PullStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def create_many(self, batch: Sequence[PullTask]) -> list[tuple[PullTask, bool]]:
+    def create_many(self, batch: Sequence[PullTask], each: bool = False) -> list[Stored[PullTask]]:
         """Insert every task of ``batch`` (distinct ids, their types' settings filled in) at once.
 
-        All or nothing, as :meth:`TaskStore.create_many`: an id already stored
-        gives (stored task, False); one of another type or user raises
-        :class:`TaskConflict` and stores none of the batch.
+        As :meth:`TaskStore.create_many`: an id already stored gives (stored task,
+        False); one of another type or user raises :class:`TaskConflict` and stores
+        none of the batch, or with ``each`` is that task's answer alone.
         """
 
     @abc.abstractmethod

@@ -12,7 +12,7 @@ checkout checks (the idle ping) and fork handling apply as before.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, cast
 
 import psycopg
@@ -85,6 +85,16 @@ def autocommit_cursor(engine: Engine) -> Iterator[psycopg.Cursor[dict[str, Any]]
         raise
     finally:
         pooled.close()
+
+
+def batch_transaction(cursor: psycopg.Cursor[dict[str, Any]], rows: Sequence[object]) -> AbstractContextManager[Any]:
+    """One transaction around the statements of a batch of ``rows``.
+
+    A batch of one is a lone statement, atomic on its own: BEGIN and COMMIT would
+    triple its round trips, and concurrent single creates come here one at a time
+    whenever the API is not busy (oss_api.coalesce).
+    """
+    return cursor.connection.transaction() if len(rows) > 1 else nullcontext()
 
 
 def insert_new(

@@ -28,6 +28,7 @@ from shared.storage.base import (
     PullStore,
     ScheduleStore,
     StatusCounts,
+    Stored,
     TaskConflict,
     TaskEvent,
     TaskFilter,
@@ -44,14 +45,14 @@ from shared.task import Task
 
 
 def _insert_new(
-    table: dict[str, Created], batch: Sequence[Created], same: Callable[[Created, Created], bool]
-) -> builtins.list[tuple[Created, bool]]:
-    """create_many of the fakes: all of ``batch`` or, if an id is taken by another request, none."""
+    table: dict[str, Created], batch: Sequence[Created], same: Callable[[Created, Created], bool], each: bool
+) -> builtins.list[Stored[Created]]:
+    """create_many of the fakes: all of ``batch`` or, if an id is taken by another request, none (or, with ``each``, the others)."""
     found = [table[task.task_id] for task in batch if task.task_id in table]
-    answer = batch_created(batch, {task.task_id for task in batch if task.task_id not in table}, found, same)
-    for task, created in answer:
-        if created:
-            table[task.task_id] = task
+    answer = batch_created(batch, {task.task_id for task in batch if task.task_id not in table}, found, same, each)
+    for one in answer:
+        if not isinstance(one, TaskConflict) and one[1]:
+            table[one[0].task_id] = one[0]
     return answer
 
 
@@ -72,9 +73,9 @@ class InMemoryStore(TaskStore):
             self._tasks[task.task_id] = replace(task, version=1)
             return self._tasks[task.task_id], True
 
-    def create_many(self, batch: Sequence[Task], now: float) -> builtins.list[tuple[Task, bool]]:
+    def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
         with self._lock:
-            return _insert_new(self._tasks, batch, same_request)
+            return _insert_new(self._tasks, batch, same_request, each)
 
     def get(self, task_id: str) -> Task | None:
         return self._tasks.get(task_id)
@@ -236,9 +237,9 @@ class InMemoryPullStore(PullStore):
     def types(self) -> list[TaskType]:
         return [self._types[name] for name in sorted(self._types)]
 
-    def create_many(self, batch: Sequence[PullTask]) -> builtins.list[tuple[PullTask, bool]]:
+    def create_many(self, batch: Sequence[PullTask], each: bool = False) -> builtins.list[Stored[PullTask]]:
         with self._lock:
-            return _insert_new(self._tasks, batch, same_pull_request)
+            return _insert_new(self._tasks, batch, same_pull_request, each)
 
     def create(self, task: PullTask) -> tuple[PullTask, bool] | None:
         with self._lock:

@@ -40,6 +40,7 @@ from shared.storage.base import (
     Cursor,
     StatusCounts,
     StorageUnavailable,
+    Stored,
     TaskConflict,
     TaskEvent,
     TaskFilter,
@@ -50,7 +51,7 @@ from shared.storage.base import (
     same_request,
 )
 from shared.storage.codec import json_text, task_from_row, task_to_row
-from shared.storage.driver import DriverStatement, autocommit_cursor, insert_new
+from shared.storage.driver import DriverStatement, autocommit_cursor, batch_transaction, insert_new
 from shared.storage.schema import attempts, metadata, task_events, tasks
 from shared.storage.statements import (
     CREATE_NEW_TASKS,
@@ -122,13 +123,13 @@ class SqlStore(TaskStore):
         except IntegrityError:
             return self._existing(task)
 
-    def create_many(self, batch: Sequence[Task], now: float) -> builtins.list[tuple[Task, bool]]:
+    def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
         rows = [task_to_row(task, now) | {"version": 1} for task in batch]
         with self.transaction() as conn:
             inserted = set(conn.execute(CREATE_NEW_TASKS[self.engine.dialect.name], rows).scalars())
             taken = [task.task_id for task in batch if task.task_id not in inserted]
             found = [task_from_row(row) for row in conn.execute(GET_TASKS, {"b_task_ids": taken})] if taken else []
-            return batch_created(batch, inserted, found, same_request)  # raising, it rolls the batch back
+            return batch_created(batch, inserted, found, same_request, each)  # raising, it rolls the batch back
 
     def _existing(self, task: Task) -> tuple[Task, bool]:
         """The stored task whose id ``task`` reused: the same request again, or a conflict."""
@@ -418,11 +419,11 @@ class PostgresStore(SqlStore):
         except psycopg.IntegrityError:
             return self._existing(task)
 
-    def create_many(self, batch: Sequence[Task], now: float) -> builtins.list[tuple[Task, bool]]:
+    def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
         rows = [task_to_row(task, now) | {"version": 1} for task in batch]
-        with autocommit_cursor(self.engine) as cursor, cursor.connection.transaction():
+        with autocommit_cursor(self.engine) as cursor, batch_transaction(cursor, rows):
             inserted, found = insert_new(cursor, self._create_new, self._get, rows)
-            return batch_created(batch, inserted, map(task_from_row, found), same_request)
+            return batch_created(batch, inserted, map(task_from_row, found), same_request, each)
 
     def get(self, task_id: str) -> Task | None:
         with autocommit_cursor(self.engine) as cursor:

@@ -22,8 +22,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from shared.pull.rules import PullStatus, PullTask, TaskType
-from shared.storage.base import PullStore, TaskConflict, TypeSummary, batch_created, same_pull_request
-from shared.storage.driver import DriverStatement, autocommit_cursor, insert_new
+from shared.storage.base import PullStore, Stored, TaskConflict, TypeSummary, batch_created, same_pull_request
+from shared.storage.driver import DriverStatement, autocommit_cursor, batch_transaction, insert_new
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import SqlStore
 
@@ -88,6 +88,8 @@ def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
 CREATE_PULL_TASK = _create_statement()
 CREATE_PULL_TASKS = _create_statement(returning=False)
 GET_PULL_TASK = select(pull_tasks).where(pull_tasks.c.task_id == bindparam("b_task_id"))
+# Read once per batch of coalesced create_task calls (oss_api.coalesce), per type in it.
+GET_TASK_TYPE = select(task_types).where(task_types.c.task_type == bindparam("b_task_type"))
 GET_PULL_TASKS = select(pull_tasks).where(pull_tasks.c.task_id.in_(bindparam("b_task_ids", expanding=True)))
 # A batch's insert: the tasks come with their types' settings; ids already stored are skipped.
 CREATE_NEW_PULL_TASKS = {
@@ -137,6 +139,7 @@ class SqlPullStore(PullStore):
                     sql.engine,
                 ),
                 "get": DriverStatement(GET_PULL_TASK, sql.engine),
+                "get type": DriverStatement(GET_TASK_TYPE, sql.engine),
                 "save": DriverStatement(SAVE_PULL_TASK, sql.engine),
                 "hold": DriverStatement(self._hold[False], sql.engine),
                 "hold by type": DriverStatement(self._hold[True], sql.engine),
@@ -172,8 +175,13 @@ class SqlPullStore(PullStore):
         return config
 
     def get_type(self, task_type: str) -> TaskType | None:
-        with self.sql.transaction(read_only=True) as conn:
-            row = conn.execute(select(task_types).where(task_types.c.task_type == task_type)).first()
+        row: Any
+        if self._driver is not None:
+            rows, _ = self._run("get type", {"b_task_type": task_type})
+            row = rows[0] if rows else None
+        else:
+            with self.sql.transaction(read_only=True) as conn:
+                row = conn.execute(GET_TASK_TYPE, {"b_task_type": task_type}).first()
         return _type(row) if row is not None else None
 
     def types(self) -> list[TaskType]:
@@ -203,18 +211,18 @@ class SqlPullStore(PullStore):
             return None
         return replace(task, version=1, **inserted), True
 
-    def create_many(self, batch: Sequence[PullTask]) -> builtins.list[tuple[PullTask, bool]]:
+    def create_many(self, batch: Sequence[PullTask], each: bool = False) -> builtins.list[Stored[PullTask]]:
         rows = [create_row(task) for task in batch]
         if self._driver is not None:
-            with autocommit_cursor(self.sql.engine) as cursor, cursor.connection.transaction():
+            with autocommit_cursor(self.sql.engine) as cursor, batch_transaction(cursor, rows):
                 inserted, stored = insert_new(cursor, self._driver["create new"], self._driver["get"], rows)
                 found = [_task(row) for row in stored]
-                return batch_created(batch, inserted, found, same_pull_request)
+                return batch_created(batch, inserted, found, same_pull_request, each)
         with self.sql.transaction() as conn:
             inserted = set(conn.execute(CREATE_NEW_PULL_TASKS[self.sql.engine.dialect.name], rows).scalars())
             taken = [task.task_id for task in batch if task.task_id not in inserted]
             found = [_task(row) for row in conn.execute(GET_PULL_TASKS, {"b_task_ids": taken})] if taken else []
-            return batch_created(batch, inserted, found, same_pull_request)  # raising, it rolls the batch back
+            return batch_created(batch, inserted, found, same_pull_request, each)  # raising, it rolls the batch back
 
     def enqueue(self, task: PullTask) -> None:
         row = _row(replace(task, version=1))
@@ -338,6 +346,6 @@ class SqlPullStore(PullStore):
 
 
 def _type(row: Any) -> TaskType:
-    m = dict(row._mapping)
+    m = dict(getattr(row, "_mapping", row))  # a SQLAlchemy row, or psycopg's dict
     m.pop("created_at"), m.pop("updated_at")
     return TaskType(**m)

@@ -52,6 +52,7 @@ def test_api_metrics_cover_the_workers_scheduler_and_queues(tmp_path: Path) -> N
         assert value(samples, "asyncflow_step_queue_wait_seconds_count", module="alpha") == 2
         # The API's own, and the scheduler's.
         assert value(samples, "asyncflow_tasks_submitted_total", flow="noop") == 1
+        assert value(samples, "asyncflow_api_intake_batch_size_count", call="submit") == 1
         assert value(samples, "asyncflow_scheduler_leader") == 1
         assert (value(samples, "asyncflow_scheduler_lag_seconds_count") or 0) > 0
         # Asked at scrape time: the broker's queues (drained) and the live processes.

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -181,6 +184,33 @@ def test_idempotent_resubmit_returns_the_same_task_and_runs_it_once(stack: Stack
     assert stack.wait_stopped(task_id)["task_status"] == 0
     assert ran(stack, task_id) == [(0, NORMAL), (1, NORMAL), (2, NORMAL)]
     assert first["time_create"] == second["time_create"]
+
+
+def test_concurrent_submits_are_each_answered_as_alone_and_each_new_flow_runs_once(stack: Stack) -> None:
+    # Submits that arrive together are stored in one transaction (oss_api.coalesce):
+    # new ones, replays of one id, and one id claimed by two flows, all at once.
+    tag = uuid.uuid4().hex[:8]
+    bodies = [{"flow": "three", "task_id": f"new-{tag}-{i}", "parameters": {}} for i in range(16)]
+    bodies += [{"flow": "three", "task_id": f"same-{tag}", "parameters": {}}] * 8
+    bodies += [{"flow": flow, "task_id": f"clash-{tag}", "parameters": {}} for flow in ["three", "noop"] * 4]
+    start = threading.Barrier(len(bodies))
+
+    def post(body: dict[str, Any]) -> httpx.Response:
+        start.wait(10)
+        return httpx.post(stack.url + "/api/tasks", json=body, timeout=30)
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(post, bodies))
+    assert [a.status_code for a in answers[:16]] == [201] * 16, [a.text for a in answers[:16]]
+    assert sorted(a.status_code for a in answers[16:24]) == [200] * 7 + [201]
+    assert len({a.json()["time_create"] for a in answers[16:24]}) == 1  # one task, the others its replays
+    clash = answers[24:]
+    winner = next(a.json()["flow"] for a in clash if a.status_code == 201)
+    assert sorted(a.status_code for a in clash) == [200] * 3 + [201] + [409] * 4
+    assert all(a.json()["flow"] == winner for a in clash if a.status_code != 409)
+    for body in bodies[:17] + bodies[24:25]:
+        assert stack.wait_stopped(body["task_id"])["task_status"] == 0
+        assert ran(stack, body["task_id"]) == [(0, NORMAL), (1, NORMAL), (2, NORMAL)]
 
 
 def test_killed_pool_process_counts_as_a_failed_attempt(stack: Stack) -> None:

@@ -76,6 +76,18 @@ def test_create_many_stores_all_or_none(typed: PullStore) -> None:
     assert typed.get("m0") is None
 
 
+def test_create_many_each_answers_a_conflict_alone_and_stores_the_others(typed: PullStore) -> None:
+    first, _ = typed.create(a_task("old"))  # type: ignore[misc]
+    batch = [a_task("m0"), a_task("old", user="someone else"), replace(a_task("old"), task_content="again"), a_task("m1")]
+    answers = typed.create_many(batch, each=True)
+    assert answers[0] == (replace(batch[0], version=1), True) and answers[3] == (replace(batch[3], version=1), True)
+    assert isinstance(answers[1], TaskConflict) and "'old'" in str(answers[1])
+    assert answers[2] == (first, False)
+    assert typed.get("m0") == replace(batch[0], version=1) and typed.get("old") == first
+    [alone] = typed.create_many([a_task("m2")], each=True)  # a batch of one: no transaction around it
+    assert alone == (replace(a_task("m2"), version=1), True) and typed.get("m2") == alone[0]  # type: ignore[index]
+
+
 def test_create_many_racing_single_creates_of_its_ids(typed: PullStore) -> None:
     # Whoever commits an id first owns it: the batch neither fails nor claims the others'.
     ids = [f"r{i}" for i in range(40)]

@@ -159,6 +159,28 @@ class TestTaskStoreContract:
         assert store.get("n0") is None and store.get("n1") is None
         assert store.get("taken").user_id == "alice"  # type: ignore[union-attr]
 
+    def test_create_many_each_answers_a_conflict_alone_and_stores_the_others(self, store: TaskStore) -> None:
+        # Concurrent single submits committed together: one refused takes nothing from the others.
+        old, _ = store.create(submitted("taken", user_id="alice"), NOW)
+        batch = [submitted("n0"), submitted("taken", user_id="bob"), submitted("taken2"), submitted("n1")]
+        store.create(submitted("taken2", user_id="alice"), NOW)
+        result = store.create_many(batch, NOW + 5, each=True)
+        assert result[0] == (replace(batch[0], version=1), True)
+        assert isinstance(result[1], TaskConflict) and "taken" in str(result[1])
+        assert result[2] == (store.get("taken2"), False)  # the same request again: a replay
+        assert result[3] == (replace(batch[3], version=1), True)
+        assert store.get("n0") == replace(batch[0], version=1) and store.get("n1") == replace(batch[3], version=1)
+        assert store.get("taken") == old
+
+    def test_create_many_of_one_task(self, store: TaskStore) -> None:
+        # A batch of one runs without a transaction around it on PostgreSQL: it must still create, replay and refuse.
+        assert store.create_many([submitted("one")], NOW, each=True) == [(replace(submitted("one"), version=1), True)]
+        assert store.create_many([submitted("one")], NOW, each=True) == [(store.get("one"), False)]
+        [refused] = store.create_many([submitted("one", user_id="bob")], NOW, each=True)
+        assert isinstance(refused, TaskConflict)
+        with pytest.raises(TaskConflict):
+            store.create_many([submitted("one", user_id="bob")], NOW)
+
     def test_create_many_racing_single_creates_of_its_ids(self, store: TaskStore) -> None:
         # Whoever commits an id first owns it: the batch neither fails nor claims the others'.
         ids = [f"r{i}" for i in range(40)]

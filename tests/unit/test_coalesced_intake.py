@@ -1,0 +1,231 @@
+"""Concurrent submits and create_task calls stored together (oss_api.coalesce), each answered as if alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from oss_api.coalesce import Coalescer
+from shared import metrics
+from shared.flows import Action, Flow, FlowSet, StepDef
+from shared.parameters import InvalidParameters
+from shared.pull.rules import TaskType
+from shared.pull.service import NewPullTask, PullService, UnknownTaskType
+from shared.service import Submission, TaskService, UnknownFlow
+from shared.storage import InMemoryPullStore, InMemoryStore, TaskConflict
+from shared.testing.clock import ManualClock
+from shared.testing.fakes import QueuePublisher
+
+# --- the coalescer -----------------------------------------------------------------------------
+
+
+class Recorder:
+    """A store function that records its batches; the first one waits until released."""
+
+    def __init__(self, answer: Any = None) -> None:
+        self.batches: list[list[Any]] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.answer = answer or (lambda item: item * 10)
+
+    def __call__(self, batch: Sequence[Any]) -> list[Any]:
+        self.batches.append(list(batch))
+        self.entered.set()
+        if len(self.batches) == 1:
+            assert self.release.wait(10)
+        return [self.answer(item) for item in batch]
+
+
+async def wait_until(event: threading.Event) -> None:
+    while not event.is_set():
+        await asyncio.sleep(0.001)
+
+
+def test_a_call_alone_is_stored_at_once_in_a_batch_of_one() -> None:
+    store = Recorder()
+    store.release.set()
+
+    async def main() -> list[int]:
+        coalescer = Coalescer("test", store, 10)
+        return [await coalescer(1), await coalescer(2)]
+
+    assert asyncio.run(main()) == [10, 20]
+    assert store.batches == [[1], [2]]
+
+
+def test_calls_that_arrive_while_a_batch_is_stored_go_together_in_the_next() -> None:
+    store = Recorder()
+    sizes = metrics.INTAKE_BATCH.labels("together")
+    counted = sizes._sum.get()  # type: ignore[attr-defined]
+
+    async def main() -> list[int]:
+        coalescer = Coalescer("together", store, 10)
+        first = asyncio.create_task(coalescer(1))
+        await wait_until(store.entered)
+        rest = [asyncio.create_task(coalescer(n)) for n in (2, 3, 4)]
+        await asyncio.sleep(0.01)  # all three are waiting now
+        store.release.set()
+        return [await first] + [await task for task in rest]
+
+    assert asyncio.run(main()) == [10, 20, 30, 40]
+    assert store.batches == [[1], [2, 3, 4]]
+    assert sizes._sum.get() - counted == 4  # type: ignore[attr-defined]
+
+
+def test_a_batch_holds_at_most_most_calls() -> None:
+    store = Recorder()
+
+    async def main() -> None:
+        coalescer = Coalescer("test", store, 2)
+        first = asyncio.create_task(coalescer(0))
+        await wait_until(store.entered)
+        rest = [asyncio.create_task(coalescer(n)) for n in range(1, 6)]
+        await asyncio.sleep(0.01)
+        store.release.set()
+        await asyncio.gather(first, *rest)
+
+    asyncio.run(main())
+    assert store.batches == [[0], [1, 2], [3, 4], [5]]
+
+
+def test_each_caller_gets_its_own_answer_or_error() -> None:
+    def answer(item: int) -> Any:
+        return ValueError(f"bad {item}") if item % 2 else item
+
+    store = Recorder(answer)
+
+    async def main() -> list[Any]:
+        coalescer = Coalescer("test", store, 10)
+        first = asyncio.create_task(coalescer(0))
+        await wait_until(store.entered)
+        rest = [asyncio.create_task(coalescer(n)) for n in (1, 2, 3)]
+        await asyncio.sleep(0.01)
+        store.release.set()
+        return await asyncio.gather(first, *rest, return_exceptions=True)
+
+    answers = asyncio.run(main())
+    assert answers[0] == 0 and answers[2] == 2
+    assert [str(a) for a in (answers[1], answers[3])] == ["bad 1", "bad 3"]
+
+
+def test_an_error_of_the_whole_batch_reaches_each_caller_and_the_next_batch_runs() -> None:
+    calls: list[list[int]] = []
+
+    def store(batch: Sequence[int]) -> list[int]:
+        calls.append(list(batch))
+        if len(calls) == 1:
+            raise ConnectionError("database down")
+        return list(batch)
+
+    async def main() -> tuple[Any, int]:
+        coalescer = Coalescer("test", store, 10)
+        failed = await asyncio.gather(coalescer(1), return_exceptions=True)
+        return failed[0], await coalescer(2)
+
+    failed, answer = asyncio.run(main())
+    assert isinstance(failed, ConnectionError) and answer == 2
+
+
+def test_a_store_that_answers_the_wrong_number_fails_the_batch_instead_of_leaving_callers_waiting() -> None:
+    async def main() -> Any:
+        coalescer: Coalescer[int, int] = Coalescer("test", lambda batch: [], 10)
+        return await asyncio.wait_for(asyncio.gather(coalescer(1), return_exceptions=True), 5)
+
+    [failed] = asyncio.run(main())
+    assert isinstance(failed, RuntimeError) and "1 items stored, 0 answered" in str(failed)
+
+
+def test_a_caller_that_went_away_does_not_stop_the_others() -> None:
+    store = Recorder()
+
+    async def main() -> int:
+        coalescer = Coalescer("test", store, 10)
+        first = asyncio.create_task(coalescer(1))
+        await wait_until(store.entered)
+        gone = asyncio.create_task(coalescer(2))
+        stays = asyncio.create_task(coalescer(3))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        store.release.set()
+        await first
+        return await stays
+
+    assert asyncio.run(main()) == 30
+    assert store.batches == [[1], [2, 3]]  # stored anyway, as a request cut off mid-call may be
+
+
+# --- the services: each answered as it would be alone ------------------------------------------
+
+FLOW = Flow(
+    name="f",
+    steps=(StepDef(normal=Action(module="m", command="do")),),
+    parameters={"type": "object", "properties": {"Cpu": {"type": "integer"}}, "required": ["Cpu"]},
+)
+OTHER = Flow(name="g", steps=(StepDef(normal=Action(module="m", command="do")),))
+
+
+def task_service() -> tuple[TaskService, QueuePublisher]:
+    publisher = QueuePublisher()
+    flows = FlowSet({"f": FLOW, "g": OTHER}, {}, "test")
+    return TaskService(InMemoryStore(), publisher, flows, clock=ManualClock(50.0)), publisher
+
+
+def test_submit_each_answers_every_submission_as_alone_and_publishes_the_new_ones() -> None:
+    svc, publisher = task_service()
+    svc.submit("f", {"Cpu": 1}, user_id="alice", task_id="taken")
+    publisher.messages.clear()
+    answers = svc.submit_each(
+        [
+            Submission("f", {"Cpu": 2}, user_id="alice", task_id="a"),
+            Submission("nope", {}, task_id="b"),  # unknown flow
+            Submission("f", {"Cpu": "x"}, task_id="c"),  # invalid parameters
+            Submission("f", {"Cpu": 3}, user_id="bob", task_id="taken"),  # another user's id
+            Submission("f", {"Cpu": 1}, user_id="alice", task_id="taken"),  # a replay
+            Submission("g", {}, user_id="alice", task_id="a"),  # the first one's id, another flow
+            Submission("f", {"Cpu": 2}, user_id="alice", task_id="a"),  # the first one again
+            Submission("g", {}),  # no id: a new one
+        ]
+    )
+    new_a, created_a = answers[0]  # type: ignore[misc]
+    assert created_a and new_a.task_id == "a" and new_a.parameters == {"Cpu": 2}
+    assert isinstance(answers[1], UnknownFlow)
+    assert isinstance(answers[2], InvalidParameters)
+    assert isinstance(answers[3], TaskConflict)
+    assert answers[4] == (svc.get("taken"), False)
+    assert isinstance(answers[5], TaskConflict)
+    assert answers[6] == (svc.get("a"), False)
+    new_g, created_g = answers[7]  # type: ignore[misc]
+    assert created_g and new_g.flow == "g"
+    # Only the two new tasks' first steps are published.
+    assert sorted(m.task_id for m in publisher.messages) == sorted(["a", new_g.task_id])
+
+
+def test_submit_each_of_a_refused_first_lets_a_later_one_with_its_id_be_created() -> None:
+    svc, _ = task_service()
+    answers = svc.submit_each([Submission("f", {}, task_id="x"), Submission("f", {"Cpu": 1}, task_id="x")])
+    assert isinstance(answers[0], InvalidParameters)
+    assert answers[1][1] is True  # type: ignore[index]
+
+
+def test_create_each_answers_every_task_as_alone() -> None:
+    store = InMemoryPullStore()
+    store.save_type(TaskType(task_type="video", max_retry_num=7), 1.0)
+    svc = PullService(store, clock=ManualClock(50.0))
+    svc.create("video", "{}", user_id="u", task_id="taken")
+    answers = svc.create_each(
+        [
+            NewPullTask("video", "{}", "u", task_id="a"),
+            NewPullTask("unknown", "{}", "u", task_id="b"),
+            NewPullTask("video", "{}", "other", task_id="taken"),
+            NewPullTask("video", "{}", "u", task_id="taken"),
+            NewPullTask("video", "{}", "u", task_id="a"),
+        ]
+    )
+    created, new = answers[0]  # type: ignore[misc]
+    assert new and created.task_id == "a" and created.max_retry_num == 7  # the type's settings
+    assert isinstance(answers[1], UnknownTaskType)
+    assert isinstance(answers[2], TaskConflict)
+    assert answers[3] == (svc.get("taken"), False)
+    assert answers[4] == (svc.get("a"), False)
