@@ -57,10 +57,11 @@ def test_a_batch_lands_whole_and_keeps_the_delivery_order(broker_url: str, tmp_p
 
 
 @pytest.mark.rabbitmq
-def test_a_single_message_goes_on_the_pools_connection(
+def test_a_few_messages_go_on_the_pools_connection_and_a_large_batch_on_its_own(
     broker_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A connection opened per submit cost the API and RabbitMQ more CPU than the rest of the submit.
+    # A connection opened per submit cost the API and RabbitMQ more CPU than the rest of
+    # the submit; coalesced submits publish a few messages at a time.
     settings = Settings(home=tmp_path, broker_url=broker_url)
     app = make_celery(settings)
     publisher = CeleryPublisher(app, settings)
@@ -68,12 +69,17 @@ def test_a_single_message_goes_on_the_pools_connection(
     opened: list[object] = []
     connection_for_write = app.connection_for_write
     monkeypatch.setattr(app, "connection_for_write", lambda *a, **kw: opened.append(kw) or connection_for_write(*a, **kw))
-    for i in range(30):
-        assert publisher.publish_many([step_message("alpha", seq=1, task_id=f"one-{i}", cursor=0)]) == []
+    few = CeleryPublisher.OWN_CONNECTION_FROM - 1
+    for i in range(10):
+        batch = [step_message("alpha", seq=1, task_id=f"few-{i}-{n}", cursor=0) for n in range(1 + i % few)]
+        assert publisher.publish_many(batch) == []
     assert opened == []
+    large = [step_message("alpha", seq=1, task_id=f"large-{n}", cursor=0) for n in range(few + 1)]
+    assert publisher.publish_many(large) == []
+    assert len(opened) == 1
     queue = Queue(queue_name("alpha"), routing_key=queue_name("alpha"), queue_arguments={"x-max-priority": MAX_PRIORITY})
     with Connection(broker_url) as conn, conn.SimpleQueue(queue) as simple:
-        assert simple.qsize() == 31
+        assert simple.qsize() == 1 + sum(1 + i % few for i in range(10)) + few + 1
     app.close()
 
 
