@@ -67,6 +67,11 @@ class Coalescer(Generic[Item, Answer]):
             while lane.waiting:
                 batch, lane.waiting = lane.waiting[: self._most], lane.waiting[self._most :]
                 await self._run(batch)
+        except BaseException:
+            for _, future in lane.waiting:
+                future.cancel()
+            lane.waiting = []
+            raise
         finally:
             lane.storing = None
 
@@ -78,6 +83,10 @@ class Coalescer(Generic[Item, Answer]):
                 raise RuntimeError(f"{len(batch)} items stored, {len(answers)} answered")
         except Exception as exc:
             answers = [exc] * len(batch)
+        except BaseException:  # cancelled (the server stops): its callers are not left waiting
+            for _, future in batch:
+                future.cancel()
+            raise
         for (_, future), answer in zip(batch, answers, strict=True):
             if future.done():  # its caller went away (the client disconnected)
                 continue

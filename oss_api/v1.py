@@ -368,6 +368,9 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         who = request_caller(request)
         try:
             data = (await _parse(request, CreateTask)).task_data
+        except V1Error as exc:
+            return _json(fail(exc.reason, str(exc)))
+        try:
             new = NewPullTask(
                 data.task_type, data.task_content, owned(who, data), data.task_priority, data.task_stage, data.task_id
             )

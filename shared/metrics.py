@@ -61,10 +61,11 @@ V1_LEASE_EXPIRIES = Counter(
     "asyncflow_v1_lease_expiries_total", "v1 leases the scheduler ended (worker silent or too slow)", ["task_type"]
 )
 
-# The API's intake (oss_api.coalesce): how many concurrent requests one transaction stored.
+# The API's intake (oss_api.coalesce): how many concurrent requests went in one batch,
+# stored in one transaction (a second one only when an id repeats in the batch).
 INTAKE_BATCH = Histogram(
     "asyncflow_api_intake_batch_size",
-    "Concurrent submits or create_task calls stored in one transaction, by call",
+    "Concurrent submits or create_task calls stored together, by call",
     ["call"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1000),
 )

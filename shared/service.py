@@ -42,7 +42,7 @@ from shared.saga import (
     unrecorded_start,
 )
 from shared.states import Phase, StepType
-from shared.storage import AttemptRecord, TaskConflict, TaskEvent, TaskFilter, TaskStore
+from shared.storage import AttemptRecord, TaskEvent, TaskFilter, TaskStore
 from shared.storage.base import all_stored, create_each
 from shared.task import Alarm, StepMessage, Task, new_task
 from shared.transition import compare_and_set
@@ -204,9 +204,7 @@ class TaskService:
         decisions = [d for d in prepared if isinstance(d, Decision)]
         now = self.clock()
         stored = create_each([d.task for d in decisions], lambda tasks: self.store.create_many(tasks, now, each=True))
-        self.dispatch(
-            [d for d, answer in zip(decisions, stored, strict=True) if not isinstance(answer, TaskConflict) and answer[1]]
-        )
+        self.dispatch([d for d, answer in zip(decisions, stored, strict=True) if isinstance(answer, tuple) and answer[1]])
         answers = iter(stored)
         return [d if isinstance(d, ServiceError) else next(answers) for d in prepared]
 
@@ -236,8 +234,8 @@ class TaskService:
     def dispatch(self, decisions: Sequence[Decision]) -> None:
         """Publish the first messages of tasks :meth:`prepare` made, once they are stored.
 
-        Published together: on RabbitMQ the batch waits once for the broker's
-        confirms, not once per message.
+        Published together (:meth:`Publisher.publish_many`): on RabbitMQ a large
+        batch waits once for the broker's confirms, not once per message.
         """
         for decision in decisions:
             metrics.SUBMITTED.labels(decision.task.flow).inc()

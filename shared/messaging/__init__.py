@@ -325,12 +325,13 @@ class CeleryPublisher:
             raise
 
     def publish_many(self, messages: Sequence[StepMessage]) -> list[tuple[StepMessage, Exception]]:
-        """``messages`` on one connection; on RabbitMQ, the confirms waited for once, at the end.
+        """Publish ``messages``; those not known to be published are returned, with why.
 
-        Per message, a confirmed publish waits for the broker's answer: a round
-        trip each. Here the channel is put in confirm mode and the messages are
-        sent back to back; those RabbitMQ did not confirm (nacked, or no answer
-        before the timeout, or the connection lost) are returned as failed.
+        Fewer than OWN_CONNECTION_FROM go one by one on the pool's connection, each
+        confirmed as it is sent. More go on a connection of their own: on RabbitMQ
+        its channel is put in confirm mode and the messages are sent back to back,
+        the confirms waited for once; those RabbitMQ did not confirm (nacked, or no
+        answer before the timeout, or the connection lost) are returned as failed.
         """
         if len(messages) < self.OWN_CONNECTION_FROM:
             # A connection of its own costs a handshake, a declare and a close: for a

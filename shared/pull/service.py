@@ -140,7 +140,7 @@ class PullService:
             [task for task in prepared if isinstance(task, PullTask)],
             lambda tasks: self.store.create_many(tasks, each=True),
         )
-        self._counted([answer for answer in stored if not isinstance(answer, Exception)])
+        self._counted([answer for answer in stored if isinstance(answer, tuple)])
         answers = iter(stored)
         return [task if isinstance(task, ServiceError) else next(answers) for task in prepared]
 

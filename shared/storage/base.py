@@ -326,13 +326,15 @@ def all_stored(answer: Sequence[Stored[Created]]) -> list[tuple[Created, bool]]:
 
 def create_each(
     tasks: Sequence[Created], create_many: Callable[[Sequence[Created]], Sequence[Stored[Created]]]
-) -> list[Stored[Created]]:
+) -> list[Stored[Created] | Exception]:
     """``create_many(batch, each=True)`` for ``tasks`` whose ids may repeat (concurrent replays of one request).
 
     A repeated id waits for a later transaction, where it finds the first one
     stored and is answered as a replay of it, or a conflict, as it would be alone.
+    The first transaction's error is raised; a later one's is the answer of the
+    tasks it was to store alone, since the tasks before it are committed.
     """
-    answers: list[Stored[Created] | None] = [None] * len(tasks)
+    answers: list[Stored[Created] | Exception | None] = [None] * len(tasks)
     pending = list(range(len(tasks)))
     while pending:
         seen: set[str] = set()
@@ -341,7 +343,15 @@ def create_each(
         for i in pending:
             (later if tasks[i].task_id in seen else first).append(i)
             seen.add(tasks[i].task_id)
-        for i, answer in zip(first, create_many([tasks[i] for i in first]), strict=True):
+        stored: Sequence[Stored[Created] | Exception]
+        try:
+            stored = create_many([tasks[i] for i in first])
+        except Exception as exc:
+            if len(pending) == len(tasks):
+                raise
+            stored = [exc] * len(first)
+            later = []
+        for i, answer in zip(first, stored, strict=True):
             answers[i] = answer
         pending = later
     return [answer for answer in answers if answer is not None]

@@ -51,7 +51,7 @@ from shared.storage.base import (
     same_request,
 )
 from shared.storage.codec import json_text, task_from_row, task_to_row
-from shared.storage.driver import DriverStatement, autocommit_cursor, batch_transaction, insert_new
+from shared.storage.driver import DriverStatement, autocommit_cursor, batch_transaction, by_id, insert_new
 from shared.storage.schema import attempts, metadata, task_events, tasks
 from shared.storage.statements import (
     CREATE_NEW_TASKS,
@@ -125,6 +125,7 @@ class SqlStore(TaskStore):
 
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
         rows = [task_to_row(task, now) | {"version": 1} for task in batch]
+        rows.sort(key=by_id)
         with self.transaction() as conn:
             inserted = set(conn.execute(CREATE_NEW_TASKS[self.engine.dialect.name], rows).scalars())
             taken = [task.task_id for task in batch if task.task_id not in inserted]
@@ -421,6 +422,7 @@ class PostgresStore(SqlStore):
 
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
         rows = [task_to_row(task, now) | {"version": 1} for task in batch]
+        rows.sort(key=by_id)
         with autocommit_cursor(self.engine) as cursor, batch_transaction(cursor, rows):
             inserted, found = insert_new(cursor, self._create_new, self._get, rows)
             return batch_created(batch, inserted, map(task_from_row, found), same_request, each)

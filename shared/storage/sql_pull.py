@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 
 from shared.pull.rules import PullStatus, PullTask, TaskType
 from shared.storage.base import PullStore, Stored, TaskConflict, TypeSummary, batch_created, same_pull_request
-from shared.storage.driver import DriverStatement, autocommit_cursor, batch_transaction, insert_new
+from shared.storage.driver import DriverStatement, autocommit_cursor, batch_transaction, by_id, insert_new
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import SqlStore
 
@@ -213,6 +213,7 @@ class SqlPullStore(PullStore):
 
     def create_many(self, batch: Sequence[PullTask], each: bool = False) -> builtins.list[Stored[PullTask]]:
         rows = [create_row(task) for task in batch]
+        rows.sort(key=by_id)
         if self._driver is not None:
             with autocommit_cursor(self.sql.engine) as cursor, batch_transaction(cursor, rows):
                 inserted, stored = insert_new(cursor, self._driver["create new"], self._driver["get"], rows)

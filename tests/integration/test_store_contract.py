@@ -181,6 +181,30 @@ class TestTaskStoreContract:
         with pytest.raises(TaskConflict):
             store.create_many([submitted("one", user_id="bob")], NOW)
 
+    def test_batches_of_the_same_ids_in_opposite_orders_wait_for_each_other_instead_of_deadlocking(
+        self, store: TaskStore
+    ) -> None:
+        # Concurrent replays of the same requests reach two API processes in different orders.
+        failures: list[BaseException] = []
+        created: list[int] = []
+
+        def create(ids: list[str]) -> None:
+            try:
+                answers = store.create_many([submitted(i) for i in ids], NOW, each=True)
+                created.append(sum(1 for a in answers if not isinstance(a, TaskConflict) and a[1]))
+            except BaseException as exc:  # surfaced below
+                failures.append(exc)
+
+        for round_ in range(5):
+            ids = [f"o{round_}-{i}" for i in range(30)]
+            racers = [threading.Thread(target=create, args=(order,)) for order in (ids, ids[::-1])]
+            for racer in racers:
+                racer.start()
+            for racer in racers:
+                racer.join(30)
+        assert not failures, failures
+        assert sum(created) == 5 * 30  # each id created once, by one of the two
+
     def test_create_many_racing_single_creates_of_its_ids(self, store: TaskStore) -> None:
         # Whoever commits an id first owns it: the batch neither fails nor claims the others'.
         ids = [f"r{i}" for i in range(40)]

@@ -7,6 +7,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
 from oss_api.coalesce import Coalescer
 from shared import metrics
 from shared.flows import Action, Flow, FlowSet, StepDef
@@ -14,7 +16,7 @@ from shared.parameters import InvalidParameters
 from shared.pull.rules import TaskType
 from shared.pull.service import NewPullTask, PullService, UnknownTaskType
 from shared.service import Submission, TaskService, UnknownFlow
-from shared.storage import InMemoryPullStore, InMemoryStore, TaskConflict
+from shared.storage import InMemoryPullStore, InMemoryStore, StorageUnavailable, TaskConflict
 from shared.testing.clock import ManualClock
 from shared.testing.fakes import QueuePublisher
 
@@ -229,3 +231,35 @@ def test_create_each_answers_every_task_as_alone() -> None:
     assert isinstance(answers[2], TaskConflict)
     assert answers[3] == (svc.get("taken"), False)
     assert answers[4] == (svc.get("a"), False)
+
+
+def test_a_repeated_id_whose_later_transaction_fails_leaves_the_committed_ones_answered() -> None:
+    # The first transaction committed: its tasks are stored and must be answered (and published) as such.
+    svc, publisher = task_service()
+    store = svc.store
+    calls = []
+
+    def create_many(tasks: Any, now: float, each: bool = False) -> Any:
+        calls.append([t.task_id for t in tasks])
+        if len(calls) > 1:
+            raise StorageUnavailable("database unavailable: gone")
+        return InMemoryStore.create_many(store, tasks, now, each)  # type: ignore[arg-type]
+
+    store.create_many = create_many  # type: ignore[method-assign]
+    answers = svc.submit_each([Submission("g", {}, task_id="a"), Submission("g", {}, task_id="a"), Submission("g", {})])
+    assert len(calls) == 2 and calls[1] == ["a"]
+    assert answers[0][1] is True and answers[2][1] is True  # type: ignore[index]
+    assert isinstance(answers[1], StorageUnavailable)
+    assert sorted(m.task_id for m in publisher.messages) == sorted(["a", answers[2][0].task_id])  # type: ignore[index]
+
+
+def test_the_first_transactions_error_is_every_submissions() -> None:
+    svc, publisher = task_service()
+
+    def down(tasks: Any, now: float, each: bool = False) -> Any:
+        raise StorageUnavailable("database unavailable: gone")
+
+    svc.store.create_many = down  # type: ignore[method-assign]
+    with pytest.raises(StorageUnavailable):
+        svc.submit_each([Submission("g", {}, task_id="a"), Submission("g", {}, task_id="a")])
+    assert not publisher.messages
