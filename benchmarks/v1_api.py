@@ -135,7 +135,7 @@ def prefill(database_url: str, task_type: str, count: int) -> None:
 
 
 def intake_batch_mean(exposition: str, call: str) -> float | None:
-    """Mean of asyncflow_api_intake_batch_size for ``call``: requests stored per transaction."""
+    """Mean of asyncflow_api_intake_batch_size for ``call``: requests per batch (here each a transaction: no id repeats)."""
     found = {}
     for kind in ("sum", "count"):
         hit = re.search(rf'^asyncflow_api_intake_batch_size_{kind}{{call="{call}"}} (\S+)$', exposition, re.M)
