@@ -145,6 +145,14 @@ class SqlPullStore(PullStore):
                 "hold by type": DriverStatement(self._hold[True], sql.engine),
             }
 
+    def _read_one(self, name: str, statement: Any, values: dict[str, Any]) -> Any:
+        """The row ``statement`` (the driver's ``name`` on PostgreSQL) reads, or None."""
+        if self._driver is not None:
+            rows, _ = self._run(name, values)
+            return rows[0] if rows else None
+        with self.sql.transaction(read_only=True) as conn:
+            return conn.execute(statement, values).first()
+
     def _run(self, name: str, values: dict[str, Any]) -> tuple[builtins.list[dict[str, Any]], int]:
         """PostgreSQL: one of the hot statements, in autocommit (a statement is atomic on its own).
 
@@ -175,13 +183,7 @@ class SqlPullStore(PullStore):
         return config
 
     def get_type(self, task_type: str) -> TaskType | None:
-        row: Any
-        if self._driver is not None:
-            rows, _ = self._run("get type", {"b_task_type": task_type})
-            row = rows[0] if rows else None
-        else:
-            with self.sql.transaction(read_only=True) as conn:
-                row = conn.execute(GET_TASK_TYPE, {"b_task_type": task_type}).first()
+        row = self._read_one("get type", GET_TASK_TYPE, {"b_task_type": task_type})
         return _type(row) if row is not None else None
 
     def types(self) -> list[TaskType]:
@@ -252,13 +254,7 @@ class SqlPullStore(PullStore):
         )
 
     def get(self, task_id: str) -> PullTask | None:
-        row: Any
-        if self._driver is not None:
-            rows, _ = self._run("get", {"b_task_id": task_id})
-            row = rows[0] if rows else None
-        else:
-            with self.sql.transaction(read_only=True) as conn:
-                row = conn.execute(GET_PULL_TASK, {"b_task_id": task_id}).first()
+        row = self._read_one("get", GET_PULL_TASK, {"b_task_id": task_id})
         return _task(row) if row is not None else None
 
     def list(

@@ -45,6 +45,16 @@ async def wait_until(event: threading.Event) -> None:
         await asyncio.sleep(0.001)
 
 
+async def queued_behind(coalescer: Coalescer[int, Any], store: Recorder, first: int, rest: Sequence[int]) -> list[Any]:
+    """The answers of ``first``, stored alone while ``rest`` arrive and wait, then of ``rest``."""
+    head = asyncio.create_task(coalescer(first))
+    await wait_until(store.entered)
+    tail = [asyncio.create_task(coalescer(n)) for n in rest]
+    await asyncio.sleep(0.01)  # all of them are waiting now
+    store.release.set()
+    return await asyncio.gather(head, *tail, return_exceptions=True)
+
+
 def test_a_call_alone_is_stored_at_once_in_a_batch_of_one() -> None:
     store = Recorder()
     store.release.set()
@@ -62,16 +72,7 @@ def test_calls_that_arrive_while_a_batch_is_stored_go_together_in_the_next() -> 
     sizes = metrics.INTAKE_BATCH.labels("together")
     counted = sizes._sum.get()  # type: ignore[attr-defined]
 
-    async def main() -> list[int]:
-        coalescer = Coalescer("together", store, 10)
-        first = asyncio.create_task(coalescer(1))
-        await wait_until(store.entered)
-        rest = [asyncio.create_task(coalescer(n)) for n in (2, 3, 4)]
-        await asyncio.sleep(0.01)  # all three are waiting now
-        store.release.set()
-        return [await first] + [await task for task in rest]
-
-    assert asyncio.run(main()) == [10, 20, 30, 40]
+    assert asyncio.run(queued_behind(Coalescer("together", store, 10), store, 1, (2, 3, 4))) == [10, 20, 30, 40]
     assert store.batches == [[1], [2, 3, 4]]
     assert sizes._sum.get() - counted == 4  # type: ignore[attr-defined]
 
@@ -79,16 +80,7 @@ def test_calls_that_arrive_while_a_batch_is_stored_go_together_in_the_next() -> 
 def test_a_batch_holds_at_most_most_calls() -> None:
     store = Recorder()
 
-    async def main() -> None:
-        coalescer = Coalescer("test", store, 2)
-        first = asyncio.create_task(coalescer(0))
-        await wait_until(store.entered)
-        rest = [asyncio.create_task(coalescer(n)) for n in range(1, 6)]
-        await asyncio.sleep(0.01)
-        store.release.set()
-        await asyncio.gather(first, *rest)
-
-    asyncio.run(main())
+    asyncio.run(queued_behind(Coalescer("test", store, 2), store, 0, range(1, 6)))
     assert store.batches == [[0], [1, 2], [3, 4], [5]]
 
 
@@ -98,16 +90,7 @@ def test_each_caller_gets_its_own_answer_or_error() -> None:
 
     store = Recorder(answer)
 
-    async def main() -> list[Any]:
-        coalescer = Coalescer("test", store, 10)
-        first = asyncio.create_task(coalescer(0))
-        await wait_until(store.entered)
-        rest = [asyncio.create_task(coalescer(n)) for n in (1, 2, 3)]
-        await asyncio.sleep(0.01)
-        store.release.set()
-        return await asyncio.gather(first, *rest, return_exceptions=True)
-
-    answers = asyncio.run(main())
+    answers = asyncio.run(queued_behind(Coalescer("test", store, 10), store, 0, (1, 2, 3)))
     assert answers[0] == 0 and answers[2] == 2
     assert [str(a) for a in (answers[1], answers[3])] == ["bad 1", "bad 3"]
 
