@@ -49,6 +49,8 @@ class StepRequest(Request):  # type: ignore[misc]  # celery is untyped: Request 
     # Set by serve_steps on the subclass it registers.
     consumer: StepConsumer
     running: RunningSteps
+    # Set by the shutdown grace once it has reported the attempt lost and killed its process.
+    given_up = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -79,6 +81,8 @@ class StepRequest(Request):  # type: ignore[misc]  # celery is untyped: Request 
         step, killed = self.running_step()
         with attempt_context(AttemptFields.of(step)):
             super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+            if self.given_up:  # killed by the shutdown grace, which reported it already
+                return
             if killed:  # by its own hard time limit (RunningSteps.call)
                 self._report_lost(step, killed, timed_out=True)
             else:
@@ -209,21 +213,60 @@ def bound_shutdown(app: Celery, consumer: StepConsumer, grace: float) -> None:
     Celery's warm shutdown waits for every running task, which for a step with
     a 30-minute timeout means 30 minutes. After ``grace`` the attempts still
     running are recorded as lost, so they run again elsewhere at once instead of
-    expiring later, and the worker is stopped cold.
+    expiring later, their pool processes are killed and the worker is stopped cold.
     """
     from celery.signals import worker_shutting_down
     from celery.worker import state
 
     worker_shutting_down.connect(
-        grace_then_stop(consumer, grace, lambda: list(state.active_requests), lambda: os.kill(os.getpid(), signal.SIGQUIT)),
+        grace_then_stop(consumer, grace, lambda: list(state.active_requests), stop_cold),
         weak=False,
     )
 
 
+# How long a cold shutdown may take before the worker exits regardless.
+COLD_STOP_DEADLINE = 10.0
+
+
+def stop_cold(stuck: Sequence[int]) -> None:
+    """Kill the pool processes ``stuck`` (their attempts given up), then stop the worker cold.
+
+    The processes are killed here rather than left to Celery's cold shutdown, which
+    only asks them to end (SIGTERM) and then waits for the pool: a handler that
+    ignores the signal would hold the worker for as long as its hard time limit.
+    Should the shutdown still hang, the worker exits after ``COLD_STOP_DEADLINE``:
+    every attempt it ran is recorded, and its unacknowledged messages are
+    delivered again (as after SIGKILL) and dropped as stale.
+    """
+    import billiard.process
+
+    for pid in stuck:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def exit_now() -> None:
+        log.error("worker still running %gs after its cold shutdown began; exiting now", COLD_STOP_DEADLINE)
+        for child in billiard.process.active_children():
+            if child.pid is not None:
+                os.kill(child.pid, signal.SIGKILL)
+        logging.shutdown()
+        os._exit(1)
+
+    deadline = threading.Timer(COLD_STOP_DEADLINE, exit_now)
+    deadline.daemon = True
+    deadline.start()
+    os.kill(os.getpid(), signal.SIGQUIT)
+
+
 def grace_then_stop(
-    consumer: StepConsumer, grace: float, running: Callable[[], list[Any]], stop: Callable[[], None]
+    consumer: StepConsumer, grace: float, running: Callable[[], list[Any]], stop: Callable[[Sequence[int]], None]
 ) -> Callable[..., None]:
-    """The shutdown handler of :func:`bound_shutdown`: ``running`` lists the active requests, ``stop`` ends the worker.
+    """The shutdown handler of :func:`bound_shutdown`.
+
+    ``running`` lists the active requests; ``stop`` ends the worker, first killing
+    the pool processes whose attempts were given up.
 
     The timer starts whatever runs at the signal: a pool process may already run
     an attempt whose start the main process has not heard of yet (Celery counts
@@ -233,14 +276,18 @@ def grace_then_stop(
 
     def give_up() -> None:
         requests = running()
+        stuck: list[int] = []
         for request in requests:
             if not isinstance(request, StepRequest):
                 continue  # an alarm delivery: it is retried by the broker
             step, _ = request.running_step()
             with attempt_context(AttemptFields.of(step)):
                 consumer.lost(step, f"worker stopped; attempt unfinished after {grace:g}s")
+            request.given_up = True
+            if request.worker_pid is not None:
+                stuck.append(request.worker_pid)
         log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(requests))
-        stop()
+        stop(stuck)
 
     def on_shutdown(**_: Any) -> None:
         log.info("stopping: waiting up to %gs for %d attempt(s)", grace, len(running()))

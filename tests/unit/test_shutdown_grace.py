@@ -12,8 +12,9 @@ STEP = StepMessage("t1", "three", 1, 0, StepType.NORMAL, 1, "beta", "step", 20.0
 
 
 class Stuck(StepRequest):
-    def __init__(self, step: StepMessage) -> None:  # no Celery message behind it
+    def __init__(self, step: StepMessage, pid: int | None = None) -> None:  # no Celery message behind it
         self.step = step
+        self.worker_pid = pid
 
     def running_step(self) -> tuple[StepMessage, str | None]:
         return self.step, None
@@ -33,8 +34,28 @@ def test_an_attempt_accepted_after_the_signal_is_given_up_at_the_grace() -> None
     active: list[Any] = []
     stopped = threading.Event()
     consumer = Consumer()
-    handler = grace_then_stop(consumer, 0.05, lambda: list(active), stopped.set)  # type: ignore[arg-type]
+    handler = grace_then_stop(consumer, 0.05, lambda: list(active), lambda stuck: stopped.set())  # type: ignore[arg-type]
     handler(sig="SIGTERM")
     active.append(Stuck(STEP))
     assert stopped.wait(5), "the worker was never stopped"
     assert consumer.given_up == [("t1", "worker stopped; attempt unfinished after 0.05s")]
+
+
+def test_the_pool_processes_of_given_up_attempts_are_handed_to_stop_and_not_reported_again() -> None:
+    # Celery's cold shutdown only sends them SIGTERM, which a handler may ignore;
+    # their death, seen later by the main process, must not count a second loss.
+    running, queued = Stuck(STEP, pid=4242), Stuck(STEP)
+    stopped: list[list[int]] = []
+    done = threading.Event()
+    consumer = Consumer()
+
+    def stop(stuck: list[int]) -> None:
+        stopped.append(list(stuck))
+        done.set()
+
+    handler = grace_then_stop(consumer, 0.01, lambda: [running, queued], stop)  # type: ignore[arg-type]
+    handler(sig="SIGTERM")
+    assert done.wait(5), "the worker was never stopped"
+    assert stopped == [[4242]]
+    assert running.given_up and queued.given_up
+    assert len(consumer.given_up) == 2
