@@ -13,7 +13,12 @@ Prints calls/s, latency percentiles and the machine, next to the seed's figures
 which are quoted, not measured here.
 
     python benchmarks/v1_api.py [--backend postgres|embedded] [--clients 8] [--seconds 10] [--api-workers 1]
-                                [--load python|wrk]
+                                [--load python|wrk] [--server uvicorn|uvicorn-h11|granian]
+
+`--server` runs the same application under another ASGI server, to compare them:
+`uvicorn` is `asyncflow api` (uvicorn with httptools and uvloop, from
+uvicorn[standard]); `uvicorn-h11` is uvicorn on its pure-Python HTTP parser and
+asyncio's loop; `granian` needs `pip install granian` (not a dependency).
 """
 
 from __future__ import annotations
@@ -38,6 +43,17 @@ from figures import pct  # noqa: E402
 from stack import Backend, SetupError, Stack, log, machine_info, servers_cpu, setup_postgres  # noqa: E402
 
 SEED = {"create_task": 3000, "hold_tasks": 2000}
+
+# The API application as `asyncflow api --workers N` loads it in each process.
+APP = "oss_api.app:app_from_environment"
+# How each server is started, after `python -m`; None: `asyncflow api` itself.
+SERVERS: dict[str, list[str] | None] = {
+    "uvicorn": None,
+    "uvicorn-h11": ["uvicorn", "--factory", APP, "--http", "h11", "--loop", "asyncio", "--no-access-log",
+                    "--log-level", "warning", "--host", "127.0.0.1"],
+    "granian": ["granian", "--interface", "asgi", "--factory", APP, "--no-access-log", "--log-level", "warning",
+                "--host", "127.0.0.1"],
+}
 
 
 def client_loop(args: tuple[str, str, dict[str, Any], float]) -> tuple[int, int, list[float]]:
@@ -154,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "--load", choices=["python", "wrk"], default="python",
         help="clients: --clients Python processes, or wrk with --clients connections (as seed 000 measured)",
     )
+    parser.add_argument("--server", choices=list(SERVERS), default="uvicorn", help="the ASGI server (see above)")
     args = parser.parse_args(argv)
     if args.load == "wrk" and shutil.which("wrk") is None:
         parser.error("--load wrk needs wrk on PATH (Debian: apt-get install wrk)")
@@ -172,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode != 0:
             raise SetupError(done.stderr)
         stack.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
-        stack.spawn("api", "api", "--port", str(stack.port), "--workers", str(args.api_workers))
+        server = SERVERS[args.server]
+        if server is None:
+            stack.spawn("api", "api", "--port", str(stack.port), "--workers", str(args.api_workers))
+        else:
+            stack.launch("api", [sys.executable, "-m", *server, "--port", str(stack.port),
+                                 "--workers", str(args.api_workers)])
         stack.wait_healthy(60)
         url = stack.url
         for task_type, limit in (("bench_create", 100), ("bench_hold", args.schedule_limit)):
@@ -217,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ) + " on the same machine"
     print(f"machine : {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; {m['os']}, kernel {m['kernel']}; "
           f"Python {m['python']}; load {m['loadavg_at_start']}")
-    print(f"backend : {args.backend} {backend.versions}; `asyncflow api --workers {args.api_workers}`; "
+    served = "`asyncflow api" if args.server == "uvicorn" else f"`{args.server} (benchmark's command)"
+    print(f"backend : {args.backend} {backend.versions}; {served} --workers {args.api_workers}`; "
           f"{clients}, {args.seconds:g} s per phase")
     for name, r in results.items():
         extra = f", {args.schedule_limit} task(s) per call" if name == "hold_tasks" else ""
