@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -232,27 +232,29 @@ def stop_cold(stuck: Sequence[int]) -> None:
     """Kill the pool processes ``stuck`` (their attempts given up), then stop the worker cold.
 
     The processes are killed here rather than left to Celery's cold shutdown, which
-    only asks them to end (SIGTERM) and then waits for the pool: a handler that
-    ignores the signal would hold the worker for as long as its hard time limit.
-    Should the shutdown still hang, the worker exits after ``COLD_STOP_DEADLINE``:
-    every attempt it ran is recorded, and its unacknowledged messages are
+    asks them to end (SIGTERM) and then waits for the whole pool: with Celery 5.7
+    that wait has lasted until the stuck attempt's hard time limit. Should the
+    shutdown hang all the same, the worker exits after ``COLD_STOP_DEADLINE``: the
+    given-up attempts are recorded already, and a message left unacknowledged is
     delivered again (as after SIGKILL) and dropped as stale.
     """
     import billiard.process
 
-    for pid in stuck:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def kill(pids: Iterable[int | None]) -> None:
+        for pid in pids:
+            if pid is None:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it ended meanwhile
+
+    kill(stuck)
 
     def exit_now() -> None:
         log.error("worker still running %gs after its cold shutdown began; exiting now", COLD_STOP_DEADLINE)
-        for child in billiard.process.active_children():
-            if child.pid is not None:
-                os.kill(child.pid, signal.SIGKILL)
-        logging.shutdown()
-        os._exit(1)
+        kill(child.pid for child in billiard.process.active_children())
+        os._exit(1)  # no logging.shutdown(): a handler lock held by the stuck thread would hang it
 
     deadline = threading.Timer(COLD_STOP_DEADLINE, exit_now)
     deadline.daemon = True

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
+import time
 from typing import Any
 
 from shared.messaging import StepRequest, grace_then_stop
@@ -59,3 +63,23 @@ def test_the_pool_processes_of_given_up_attempts_are_handed_to_stop_and_not_repo
     assert stopped == [[4242]]
     assert running.given_up and queued.given_up
     assert len(consumer.given_up) == 2
+
+
+def test_stop_cold_kills_the_stuck_processes_and_exits_if_the_cold_shutdown_hangs() -> None:
+    # A SIGQUIT handler that returns stands for a cold shutdown that never ends.
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "import shared.messaging as m\n"
+        "m.COLD_STOP_DEADLINE = 0.3\n"
+        "signal.signal(signal.SIGQUIT, lambda *_: None)\n"
+        "stuck = subprocess.Popen(['sleep', '60'])\n"
+        "m.stop_cold([stuck.pid])\n"
+        "print(stuck.wait(timeout=5), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.stdout.strip() == str(-signal.SIGKILL), done.stderr
+    assert done.returncode == 1, done.stderr
+    assert "exiting now" in done.stderr
+    assert time.monotonic() - started < 20
