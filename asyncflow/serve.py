@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from asyncflow import liveness
-from shared import preflight, presence, reload
+from shared import heap, preflight, presence, reload
 from shared.config import Settings
 from shared.logs import setup_logging
 from shared.messaging import bound_shutdown, queue_name
@@ -40,7 +40,9 @@ def run_api(settings: Settings, host: str, port: int) -> None:
     runtime.flows  # noqa: B018 - fail at start-up on a bad flows.yaml, not on first request
     if settings.api_workers == 1:
         reload.reload_on_hangup(runtime)
-        uvicorn.run(create_app(runtime), host=host, port=port, log_config=None, access_log=False)
+        app = create_app(runtime)
+        heap.settle()
+        uvicorn.run(app, host=host, port=port, log_config=None, access_log=False)
         return
     # Each worker process builds its app from the same environment and keeps its own
     # registry row (shared.presence); /metrics adds them up.

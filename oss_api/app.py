@@ -42,6 +42,7 @@ from oss_api.schemas import (
 )
 from oss_api.ui import install as install_ui
 from oss_api.v1 import v1_routes
+from shared import heap
 from shared.config import load_settings
 from shared.logs import setup_logging
 from shared.names import NAME
@@ -117,7 +118,9 @@ def app_from_environment() -> FastAPI:
     setup_logging(settings, "api")
     runtime = Runtime(settings)
     reload_on_hangup(runtime)  # the supervisor passes SIGHUP on: shared.reload.serve_api_workers
-    return create_app(runtime)
+    app = create_app(runtime)
+    heap.settle()
+    return app
 
 
 def _registered(presence: Presence, stack_metrics: StackMetrics) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
