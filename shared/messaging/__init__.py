@@ -25,7 +25,7 @@ from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.logs import AttemptFields, attempt_context, name_message
 from shared.messaging.celery_logs import attempt_fields, follow_attempts, keep_process_logging
-from shared.messaging.embedded import kombu_url
+from shared.messaging.embedded import kombu_url, wake_for_stop
 from shared.messaging.running import RunningSteps
 from shared.retry import reconnect_delay
 from shared.service import publish_each
@@ -292,6 +292,7 @@ def grace_then_stop(
         stop(stuck)
 
     def on_shutdown(**_: Any) -> None:
+        wake_for_stop()
         log.info("stopping: waiting up to %gs for %d attempt(s)", grace, len(running()))
         timer = threading.Timer(grace, give_up)
         timer.daemon = True

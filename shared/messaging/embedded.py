@@ -11,10 +11,13 @@ published message is taken within milliseconds and an idle worker costs nothing.
 from __future__ import annotations
 
 import logging
+import os
+import select
 import time
 from pathlib import Path
 from queue import Empty
 from typing import Any
+from weakref import WeakSet
 
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import sqlalchemy as sqla
@@ -47,18 +50,54 @@ class BrokerFileWatch:
         self._names = {database.name, database.name + "-wal"}
         self._inotify = INotify()
         self._inotify.add_watch(str(database.parent), flags.MODIFY | flags.CREATE | flags.MOVED_TO)
+        self._stop_read, self._stop_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        _watches.add(self)
 
-    def wait(self, timeout: float) -> None:
-        """Return when the broker file changes, or after ``timeout`` seconds."""
+    def wait(self, timeout: float) -> bool:
+        """Return when the broker file changes, or after ``timeout`` seconds: False;
+        or at once when the process is stopping (:func:`wake_for_stop`): True."""
+        poll = select.poll()
+        poll.register(self._inotify.fileno(), select.POLLIN)
+        poll.register(self._stop_read, select.POLLIN)
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            events = self._inotify.read(timeout=max(1, int(left * 1000)))
-            # wd -1 is an overflow: changes were missed, so look.
-            if any(e.wd == -1 or e.name in self._names for e in events):
-                return
+            ready = {fd for fd, _ in poll.poll(max(1, int(left * 1000)))}
+            if self._stop_read in ready:
+                return True
+            if ready:
+                events = self._inotify.read(timeout=0)
+                # wd -1 is an overflow: changes were missed, so look.
+                if any(e.wd == -1 or e.name in self._names for e in events):
+                    return False
+        return False
+
+    def stop(self) -> None:
+        """End the current and every later wait at once (a write to a pipe: safe in a signal handler)."""
+        try:
+            os.write(self._stop_write, b"x")
+        except BlockingIOError:
+            pass  # a byte is there already
 
     def close(self) -> None:
+        _watches.discard(self)
         self._inotify.close()
+        os.close(self._stop_read)
+        os.close(self._stop_write)
+
+
+# The watches of this process, for wake_for_stop.
+_watches: WeakSet[BrokerFileWatch] = WeakSet()
+
+
+def wake_for_stop() -> None:
+    """Let the consumers waiting on the broker file see at once that the process is stopping.
+
+    A worker told to stop checks between waits, and a wait lasts up to the
+    transport's timeout: without this, every stop of an idle worker began with
+    two seconds of nothing.
+    """
+    for watch in list(_watches):
+        watch.stop()
 
 
 def watch_for(url: str) -> BrokerFileWatch | None:
@@ -107,7 +146,8 @@ class Transport(sqla.Transport):
                     raise TimeoutError() from None  # socket.timeout, as kombu's loop raises
                 pause = interval if timeout is None else min(interval, timeout - waited)
                 if watch is not None:
-                    watch.wait(pause)
+                    if watch.wait(pause):
+                        raise TimeoutError() from None  # the caller's loop then sees it is to stop
                 elif pause:
                     time.sleep(pause)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from kombu import Connection
 
-from shared.messaging.embedded import BrokerFileWatch, kombu_url, watch_for
+from shared.messaging.embedded import BrokerFileWatch, kombu_url, wake_for_stop, watch_for
 
 pytest.importorskip("inotify_simple", reason="inotify wake-ups are Linux-only; elsewhere the broker polls")
 
@@ -60,3 +60,18 @@ def test_a_consumer_on_an_empty_queue_takes_a_published_message_without_waiting_
 
 def test_no_watch_for_a_database_in_memory() -> None:
     assert watch_for("sqlite://") is None
+
+
+def test_a_stopping_process_ends_the_wait_at_once_and_every_wait_after(tmp_path: Path) -> None:
+    # A worker told to stop (SIGTERM) must not wait out the transport's timeout first.
+    broker = tmp_path / "broker.sqlite"
+    broker.touch()
+    watch = BrokerFileWatch(broker)
+    try:
+        threading.Timer(0.05, wake_for_stop).start()
+        started = time.monotonic()
+        assert watch.wait(30) is True
+        assert watch.wait(30) is True
+        assert time.monotonic() - started < 5
+    finally:
+        watch.close()
