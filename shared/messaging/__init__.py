@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -49,7 +49,7 @@ class StepRequest(Request):  # type: ignore[misc]  # celery is untyped: Request 
     # Set by serve_steps on the subclass it registers.
     consumer: StepConsumer
     running: RunningSteps
-    # Set by the shutdown grace once it has reported the attempt lost and killed its process.
+    # Set by the shutdown grace before it kills the process: the grace reports the attempt, not on_failure.
     given_up = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -81,7 +81,7 @@ class StepRequest(Request):  # type: ignore[misc]  # celery is untyped: Request 
         step, killed = self.running_step()
         with attempt_context(AttemptFields.of(step)):
             super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-            if self.given_up:  # killed by the shutdown grace, which reported it already
+            if self.given_up:  # killed by the shutdown grace, which reports it
                 return
             if killed:  # by its own hard time limit (RunningSteps.call)
                 self._report_lost(step, killed, timed_out=True)
@@ -211,50 +211,62 @@ def bound_shutdown(app: Celery, consumer: StepConsumer, grace: float) -> None:
     """On SIGTERM, let in-flight attempts finish for ``grace`` seconds, then give up on them.
 
     Celery's warm shutdown waits for every running task, which for a step with
-    a 30-minute timeout means 30 minutes. After ``grace`` the attempts still
-    running are recorded as lost, so they run again elsewhere at once instead of
-    expiring later, their pool processes are killed and the worker is stopped cold.
+    a 30-minute timeout means 30 minutes. After ``grace`` the pool processes still
+    running attempts are killed, the attempts recorded as lost, so they run again
+    elsewhere at once instead of expiring later, and the worker is stopped cold.
     """
     from celery.signals import worker_shutting_down
     from celery.worker import state
 
     worker_shutting_down.connect(
-        grace_then_stop(consumer, grace, lambda: list(state.active_requests), stop_cold),
+        grace_then_stop(consumer, grace, lambda: snapshot(state.active_requests), kill_processes, stop_cold),
         weak=False,
     )
+
+
+def snapshot(requests: Collection[Any]) -> list[Any]:
+    """The members of a collection the main thread changes meanwhile (Celery's active requests)."""
+    while True:
+        try:
+            return list(requests)
+        except RuntimeError:  # changed size during the copy: copy again
+            continue
+
+
+def kill_processes(pids: Iterable[int | None]) -> None:
+    for pid in pids:
+        if pid is None:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it ended meanwhile
 
 
 # How long a cold shutdown may take before the worker exits regardless.
 COLD_STOP_DEADLINE = 10.0
 
 
-def stop_cold(stuck: Sequence[int]) -> None:
-    """Kill the pool processes ``stuck`` (their attempts given up), then stop the worker cold.
+def stop_cold() -> None:
+    """Stop the worker cold (SIGQUIT), and exit should that still hang after ``COLD_STOP_DEADLINE``.
 
-    The processes are killed here rather than left to Celery's cold shutdown, which
-    asks them to end (SIGTERM) and then waits for the whole pool: with Celery 5.7
-    that wait has lasted until the stuck attempt's hard time limit. Should the
-    shutdown hang all the same, the worker exits after ``COLD_STOP_DEADLINE``: the
-    given-up attempts are recorded already, and a message left unacknowledged is
-    delivered again (as after SIGKILL) and dropped as stale.
+    The given-up attempts' processes are killed before, not left to Celery's cold
+    shutdown, which asks them to end (SIGTERM) and then waits for the whole pool:
+    with Celery 5.7 that wait has lasted until the stuck attempt's hard time limit.
+    The last-resort exit comes after the attempts are recorded. A message left
+    unacknowledged is delivered again by RabbitMQ or Redis (as after SIGKILL) and
+    dropped as stale; the embedded broker keeps it hidden, and the scheduler's
+    sweep publishes the step again.
     """
     import billiard.process
 
-    def kill(pids: Iterable[int | None]) -> None:
-        for pid in pids:
-            if pid is None:
-                continue
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass  # it ended meanwhile
-
-    kill(stuck)
-
     def exit_now() -> None:
-        log.error("worker still running %gs after its cold shutdown began; exiting now", COLD_STOP_DEADLINE)
-        kill(child.pid for child in billiard.process.active_children())
-        os._exit(1)  # no logging.shutdown(): a handler lock held by the stuck thread would hang it
+        try:
+            # Not through logging: a handler lock held by the stuck thread would hang the exit.
+            os.write(2, b"worker still running %gs after its cold shutdown began; exiting now\n" % COLD_STOP_DEADLINE)
+            kill_processes(child.pid for child in billiard.process.active_children())
+        finally:
+            os._exit(1)
 
     deadline = threading.Timer(COLD_STOP_DEADLINE, exit_now)
     deadline.daemon = True
@@ -263,36 +275,49 @@ def stop_cold(stuck: Sequence[int]) -> None:
 
 
 def grace_then_stop(
-    consumer: StepConsumer, grace: float, running: Callable[[], list[Any]], stop: Callable[[Sequence[int]], None]
+    consumer: StepConsumer,
+    grace: float,
+    running: Callable[[], list[Any]],
+    kill: Callable[[Iterable[int | None]], None],
+    stop: Callable[[], None],
 ) -> Callable[..., None]:
     """The shutdown handler of :func:`bound_shutdown`.
 
-    ``running`` lists the active requests; ``stop`` ends the worker, first killing
-    the pool processes whose attempts were given up.
-
-    The timer starts whatever runs at the signal: a pool process may already run
-    an attempt whose start the main process has not heard of yet (Celery counts
-    a request active once the pool's acknowledgement is read), and a worker
-    with nothing left to wait for exits before the timer, taking it along.
+    ``running`` lists the active requests, ``kill`` kills pool processes, ``stop``
+    ends the worker. The timer starts whatever runs at the signal: a pool process
+    may already run an attempt whose start the main process has not heard of yet
+    (Celery counts a request active once the pool's acknowledgement is read), and
+    a worker with nothing left to wait for exits before the timer, taking it along.
+    The handler acts once: Celery sends the shutdown signal again for the cold
+    shutdown that ``stop`` begins.
     """
+    started = threading.Event()
 
     def give_up() -> None:
-        requests = running()
-        stuck: list[int] = []
-        for request in requests:
-            if not isinstance(request, StepRequest):
-                continue  # an alarm delivery: it is retried by the broker
-            step, _ = request.running_step()
-            with attempt_context(AttemptFields.of(step)):
-                consumer.lost(step, f"worker stopped; attempt unfinished after {grace:g}s")
-            request.given_up = True
-            if request.worker_pid is not None:
-                stuck.append(request.worker_pid)
-        log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(requests))
-        stop(stuck)
+        steps = [r for r in running() if isinstance(r, StepRequest)]  # an alarm is retried by the broker
+        try:
+            for request in steps:
+                request.given_up = True
+            # Killed first: a process that ran on to a later step meanwhile has noted it, and
+            # the note is final once the process is dead; nor does a copy start elsewhere
+            # while the handler still runs.
+            kill(request.worker_pid for request in steps)
+            for request in steps:
+                step, _ = request.running_step()
+                with attempt_context(AttemptFields.of(step)):
+                    try:
+                        consumer.lost(step, f"worker stopped; attempt unfinished after {grace:g}s")
+                    except Exception:  # the expiry sweep (not this hook) is the safety net
+                        log.exception("could not record a given-up step attempt")
+            log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(steps))
+        finally:
+            stop()
 
     def on_shutdown(**_: Any) -> None:
         wake_for_stop()
+        if started.is_set():
+            return
+        started.set()
         log.info("stopping: waiting up to %gs for %d attempt(s)", grace, len(running()))
         timer = threading.Timer(grace, give_up)
         timer.daemon = True

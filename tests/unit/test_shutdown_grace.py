@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from shared.messaging import StepRequest, grace_then_stop
@@ -32,40 +33,69 @@ class Consumer:
         self.given_up.append((step.task_id, why))
 
 
+class Worker:
+    """What the grace does to the worker: the processes it kills and its stop, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[int]]] = []
+        self.stopped = threading.Event()
+
+    def kill(self, pids: Iterable[int | None]) -> None:
+        self.calls.append(("kill", [pid for pid in pids if pid is not None]))
+
+    def stop(self) -> None:
+        self.calls.append(("stop", []))
+        self.stopped.set()
+
+
 def test_an_attempt_accepted_after_the_signal_is_given_up_at_the_grace() -> None:
     # The pool process runs the attempt, but its acknowledgement reaches the main
     # process only after SIGTERM: at the signal, Celery lists no active request.
     active: list[Any] = []
-    stopped = threading.Event()
-    consumer = Consumer()
-    handler = grace_then_stop(consumer, 0.05, lambda: list(active), lambda stuck: stopped.set())  # type: ignore[arg-type]
+    worker, consumer = Worker(), Consumer()
+    handler = grace_then_stop(consumer, 0.05, lambda: list(active), worker.kill, worker.stop)  # type: ignore[arg-type]
     handler(sig="SIGTERM")
     active.append(Stuck(STEP))
-    assert stopped.wait(5), "the worker was never stopped"
+    assert worker.stopped.wait(5), "the worker was never stopped"
     assert consumer.given_up == [("t1", "worker stopped; attempt unfinished after 0.05s")]
 
 
-def test_the_pool_processes_of_given_up_attempts_are_handed_to_stop_and_not_reported_again() -> None:
-    # Celery's cold shutdown only sends them SIGTERM, which a handler may ignore;
-    # their death, seen later by the main process, must not count a second loss.
+def test_the_processes_are_killed_before_their_attempts_are_reported_and_only_once() -> None:
+    # Celery's cold shutdown only sends them SIGTERM, which a handler may ignore; their
+    # death, seen later by the main process, must not count a second loss (given_up);
+    # and the shutdown signal Celery sends again for the cold shutdown starts nothing.
     running, queued = Stuck(STEP, pid=4242), Stuck(STEP)
-    stopped: list[list[int]] = []
-    done = threading.Event()
-    consumer = Consumer()
+    worker = Worker()
+    order: list[str] = []
 
-    def stop(stuck: list[int]) -> None:
-        stopped.append(list(stuck))
-        done.set()
+    class Recording(Consumer):
+        def lost(self, step: StepMessage, why: str) -> None:
+            order.append("lost after " + ",".join(call for call, _ in worker.calls))
+            super().lost(step, why)
 
-    handler = grace_then_stop(consumer, 0.01, lambda: [running, queued], stop)  # type: ignore[arg-type]
+    consumer = Recording()
+    handler = grace_then_stop(consumer, 0.01, lambda: [running, queued], worker.kill, worker.stop)  # type: ignore[arg-type]
     handler(sig="SIGTERM")
-    assert done.wait(5), "the worker was never stopped"
-    assert stopped == [[4242]]
+    assert worker.stopped.wait(5), "the worker was never stopped"
+    handler(sig="SIGQUIT")
+    time.sleep(0.1)
+    assert worker.calls == [("kill", [4242]), ("stop", [])]
+    assert order == ["lost after kill", "lost after kill"]
     assert running.given_up and queued.given_up
-    assert len(consumer.given_up) == 2
 
 
-def test_stop_cold_kills_the_stuck_processes_and_exits_if_the_cold_shutdown_hangs() -> None:
+def test_a_report_that_fails_still_stops_the_worker() -> None:
+    class Down(Consumer):
+        def lost(self, step: StepMessage, why: str) -> None:
+            raise ConnectionError("database unavailable")
+
+    worker = Worker()
+    handler = grace_then_stop(Down(), 0.01, lambda: [Stuck(STEP, pid=4242)], worker.kill, worker.stop)  # type: ignore[arg-type]
+    handler(sig="SIGTERM")
+    assert worker.stopped.wait(5), "the worker was never stopped"
+
+
+def test_killed_processes_die_and_a_cold_shutdown_that_hangs_ends_in_an_exit() -> None:
     # A SIGQUIT handler that returns stands for a cold shutdown that never ends.
     script = (
         "import signal, subprocess, sys, time\n"
@@ -73,7 +103,8 @@ def test_stop_cold_kills_the_stuck_processes_and_exits_if_the_cold_shutdown_hang
         "m.COLD_STOP_DEADLINE = 0.3\n"
         "signal.signal(signal.SIGQUIT, lambda *_: None)\n"
         "stuck = subprocess.Popen(['sleep', '60'])\n"
-        "m.stop_cold([stuck.pid])\n"
+        "m.kill_processes([stuck.pid])\n"
+        "m.stop_cold()\n"
         "print(stuck.wait(timeout=5), flush=True)\n"
         "time.sleep(60)\n"
     )
