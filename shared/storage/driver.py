@@ -14,21 +14,33 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, cast
+from weakref import WeakKeyDictionary
 
 import psycopg
 from psycopg.rows import dict_row
-from sqlalchemy import Engine
+from sqlalchemy import Engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import ClauseElement
 
 from shared.storage.base import StorageUnavailable
 
+# A connection drops its prepared statements after this many executions of them,
+# so that a plan made while a table was tiny is made again once it has grown.
+PREPARED_RUNS = 200
+
 
 class DriverStatement:
-    """One statement compiled for the engine's dialect, and its parameters' conversions."""
+    """One statement compiled for the engine's dialect, and its parameters' conversions.
 
-    def __init__(self, statement: ClauseElement, engine: Engine) -> None:
+    ``prepared``: a statement whose plan does not depend on the tables' sizes (by
+    primary key), prepared on each connection so that PostgreSQL may plan it once
+    there instead of on every execution. No other statement is prepared
+    (:func:`prepare_on_request`).
+    """
+
+    def __init__(self, statement: ClauseElement, engine: Engine, prepared: bool = False) -> None:
+        self.prepared = prepared
         dialect = engine.dialect
         compiled = cast(SQLCompiler, statement.compile(dialect=dialect))
         # Bytes, and only the parameters the statement names: psycopg then reuses
@@ -48,6 +60,43 @@ class DriverStatement:
         """The statement's parameters out of ``values``, converted as SQLAlchemy would."""
         named = {name: (values[name] if convert is None else convert(values[name])) for name, convert in self._names}
         return self._fixed | named if self._fixed else named
+
+    def run(self, cursor: psycopg.Cursor[dict[str, Any]], values: Mapping[str, Any]) -> psycopg.Cursor[dict[str, Any]]:
+        """Execute it on ``cursor``, with its parameters out of ``values``."""
+        if not self.prepared:
+            return cursor.execute(self.sql, self.params(values))
+        conn = cursor.connection
+        runs = _prepared_runs.get(conn, 0) + 1
+        if runs > PREPARED_RUNS:
+            cursor.execute(b"DEALLOCATE ALL")  # psycopg forgets its own record of them on seeing it
+            runs = 1
+        _prepared_runs[conn] = runs
+        return cursor.execute(self.sql, self.params(values), prepare=True)
+
+
+# Executions of prepared statements on each connection since they were last dropped.
+_prepared_runs: WeakKeyDictionary[psycopg.Connection[Any], int] = WeakKeyDictionary()
+
+
+def prepare_on_request(engine: Engine) -> None:
+    """Statements are prepared only where asked (:class:`DriverStatement`), and planned by PostgreSQL's rule.
+
+    psycopg would prepare any statement run five times on a connection, and
+    PostgreSQL may then keep one generic plan for it while the connection lives.
+    Made while a table was tiny (a new deployment, a quiet night), that plan reads
+    every row once the table has grown: after ANALYZE has seen af_tasks at one
+    page, even a primary-key UPDATE's generic plan is a sequential scan
+    (benchmarks/README.md). An unprepared statement is planned on each execution,
+    with the tables' sizes of the moment. The hot statements by key are prepared
+    and made again every ``PREPARED_RUNS``: planning was 30 % of PostgreSQL's CPU
+    per flow, and preparing them cut that CPU by a quarter.
+    """
+
+    def on_request_only(dbapi_conn: Any, _record: Any) -> None:
+        # Out of reach rather than None: None would refuse prepare=True as well.
+        dbapi_conn.prepare_threshold = 1 << 30
+
+    event.listen(engine, "connect", on_request_only)
 
 
 @contextmanager

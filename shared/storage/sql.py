@@ -51,7 +51,14 @@ from shared.storage.base import (
     same_request,
 )
 from shared.storage.codec import json_text, task_from_row, task_to_row
-from shared.storage.driver import DriverStatement, autocommit_cursor, batch_transaction, by_id, insert_new
+from shared.storage.driver import (
+    DriverStatement,
+    autocommit_cursor,
+    batch_transaction,
+    by_id,
+    insert_new,
+    prepare_on_request,
+)
 from shared.storage.schema import attempts, metadata, task_events, tasks
 from shared.storage.statements import (
     CREATE_NEW_TASKS,
@@ -397,9 +404,9 @@ class PostgresStore(SqlStore):
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        self._get = DriverStatement(GET_TASK, self.engine)
+        self._get = DriverStatement(GET_TASK, self.engine, prepared=True)
         self._create = DriverStatement(CREATE_TASK.values(CREATE_VALUES), self.engine)
-        self._save = {kind: DriverStatement(s, self.engine) for kind, s in SAVE_IN_ONE_STATEMENT.items()}
+        self._save = {kind: DriverStatement(s, self.engine, prepared=True) for kind, s in SAVE_IN_ONE_STATEMENT.items()}
         self._create_new = DriverStatement(CREATE_NEW_TASKS["postgresql"].values(CREATE_VALUES), self.engine)
 
     def _make_engine(self, url: str) -> Engine:
@@ -408,7 +415,7 @@ class PostgresStore(SqlStore):
         # 20 covers the API's request threads; overflow connections are closed on return.
         engine = create_engine(url, pool_size=20, max_overflow=20, json_serializer=json_text)
         ping_idle_connections(engine, IDLE_BEFORE_PING)
-        plan_each_execution(engine)
+        prepare_on_request(engine)
         return engine
 
     def create(self, task: Task, now: float) -> tuple[Task, bool]:
@@ -429,7 +436,7 @@ class PostgresStore(SqlStore):
 
     def get(self, task_id: str) -> Task | None:
         with autocommit_cursor(self.engine) as cursor:
-            row = cursor.execute(self._get.sql, self._get.params({"b_task_id": task_id})).fetchone()
+            row = self._get.run(cursor, {"b_task_id": task_id}).fetchone()
         return task_from_row(row) if row is not None else None
 
     def save(
@@ -453,7 +460,7 @@ class PostgresStore(SqlStore):
             params |= _attempt_params(next_attempt, NEXT_ATTEMPT_PREFIX)
         statement = self._save[kind]
         with autocommit_cursor(self.engine) as cursor:  # one statement: atomic on its own
-            row = cursor.execute(statement.sql, statement.params(params)).fetchone()
+            row = statement.run(cursor, params).fetchone()
         return row is not None and next(iter(row.values())) == 1
 
 
@@ -487,26 +494,6 @@ def ping_idle_connections(engine: Engine, idle: float) -> None:
 
     event.listen(engine, "checkin", idle_from)
     event.listen(engine, "checkout", alive)
-
-
-def plan_each_execution(engine: Engine) -> None:
-    """PostgreSQL plans each statement with its parameters and the tables' sizes of the moment.
-
-    psycopg prepares a statement once it has run five times on a connection, and
-    PostgreSQL may then keep one generic plan for it, for as long as the connection
-    lives. Made while the tables were small (a new deployment, a quiet night), that
-    plan reads every row of af_attempts to update one attempt, and goes on doing so
-    as the table grows: 9 ms of PostgreSQL CPU per flow at 4,000 flows instead of 3,
-    and worse with every flow after (benchmarks/README.md). A plan per execution
-    costs a little planning and never scans a table that has grown.
-    """
-
-    def custom_plans(dbapi_conn: Any, _record: Any) -> None:
-        with dbapi_conn.cursor() as cursor:
-            cursor.execute("SET plan_cache_mode = force_custom_plan")
-        dbapi_conn.commit()
-
-    event.listen(engine, "connect", custom_plans)
 
 
 def open_store(url: str) -> SqlStore:

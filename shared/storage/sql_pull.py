@@ -138,9 +138,9 @@ class SqlPullStore(PullStore):
                     CREATE_NEW_PULL_TASKS["postgresql"].values({c.name: bindparam(c.name, type_=c.type) for c in pull_tasks.columns}),
                     sql.engine,
                 ),
-                "get": DriverStatement(GET_PULL_TASK, sql.engine),
-                "get type": DriverStatement(GET_TASK_TYPE, sql.engine),
-                "save": DriverStatement(SAVE_PULL_TASK, sql.engine),
+                "get": DriverStatement(GET_PULL_TASK, sql.engine, prepared=True),
+                "get type": DriverStatement(GET_TASK_TYPE, sql.engine, prepared=True),
+                "save": DriverStatement(SAVE_PULL_TASK, sql.engine, prepared=True),
                 "hold": DriverStatement(self._hold[False], sql.engine),
                 "hold by type": DriverStatement(self._hold[True], sql.engine),
             }
@@ -161,7 +161,7 @@ class SqlPullStore(PullStore):
         assert self._driver is not None
         statement = self._driver[name]
         with autocommit_cursor(self.sql.engine) as cursor:
-            cursor.execute(statement.sql, statement.params(values))
+            statement.run(cursor, values)
             return (cursor.fetchall() if cursor.description is not None else []), cursor.rowcount
 
     # --- task types ---------------------------------------------------------------

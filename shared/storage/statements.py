@@ -79,9 +79,15 @@ def _save_in_one_statement() -> dict[str, Any]:
 
     statements = {"none": counted, "insert": counted.add_cte(inserted("a_", "attempt"))}
     for kind, values in _UPDATES.items():
+        # The attempt's whole key as parameters: a generic plan's index condition then
+        # covers both columns (joined to ``changed`` alone, it covered seq alone).
         change = (
             update(attempts)
-            .where(attempts.c.task_id == changed.c.task_id, attempts.c.seq == bindparam("a_seq"))
+            .where(
+                attempts.c.task_id == bindparam("a_task_id"),
+                attempts.c.seq == bindparam("a_seq"),
+                attempts.c.task_id == changed.c.task_id,
+            )
             .values(values)
         )
         statements[kind] = counted.add_cte(change.cte("attempt"))

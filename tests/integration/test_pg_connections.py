@@ -12,8 +12,10 @@ from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import load_flows
 from shared.service import TaskService
-from shared.storage import StorageUnavailable
+from shared.storage import StorageUnavailable, TaskFilter
+from shared.storage import driver as driver_module
 from shared.storage import sql as sql_module
+from shared.storage.driver import autocommit_cursor
 from shared.storage.sql import PostgresStore
 from shared.testing import QueuePublisher
 from tests.integration.conftest import postgres_admin, postgres_schema
@@ -110,6 +112,33 @@ def test_statements_prepared_on_small_tables_do_not_scan_them_once_grown() -> No
         finally:
             store.close()
     assert read < 20_000, f"{read} rows of af_attempts read by sequential scans"
+
+
+def test_only_the_hot_statements_are_prepared_and_they_are_prepared_anew_every_prepared_runs(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generic plan made while a table was tiny (once ANALYZE has seen it at one page,
+    even a primary-key UPDATE's is a sequential scan) lasts PREPARED_RUNS executions at
+    most; statements run through SQLAlchemy are planned on each execution."""
+    monkeypatch.setattr(driver_module, "PREPARED_RUNS", 5)
+    store = PostgresStore(postgres_url)
+
+    def prepared() -> list[tuple[str, int]]:
+        with autocommit_cursor(store.engine) as cursor:  # the pool's one connection
+            rows = cursor.execute("SELECT statement, generic_plans + custom_plans AS runs FROM pg_prepared_statements")
+            return [(row["statement"], row["runs"]) for row in rows.fetchall()]
+
+    try:
+        for _ in range(5):
+            assert store.get("no-such-task") is None
+        assert [runs for _, runs in prepared()] == [5]
+        assert store.get("no-such-task") is None  # the sixth: every one dropped first, then prepared again
+        assert [runs for _, runs in prepared()] == [1]
+        for _ in range(8):
+            store.list(TaskFilter(flow="noop"))
+        assert len(prepared()) == 1  # the read alone
+    finally:
+        store.close()
 
 
 def rows_scanned(schema: str, store: PostgresStore) -> int:
