@@ -51,17 +51,17 @@ class BrokerFileWatch:
         self._inotify = INotify()
         self._inotify.add_watch(str(database.parent), flags.MODIFY | flags.CREATE | flags.MOVED_TO)
         self._stop_read, self._stop_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._inotify.fileno(), select.POLLIN)
+        self._poll.register(self._stop_read, select.POLLIN)
         _watches.add(self)
 
     def wait(self, timeout: float) -> bool:
         """Return when the broker file changes, or after ``timeout`` seconds: False;
         or at once when the process is stopping (:func:`wake_for_stop`): True."""
-        poll = select.poll()
-        poll.register(self._inotify.fileno(), select.POLLIN)
-        poll.register(self._stop_read, select.POLLIN)
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            ready = {fd for fd, _ in poll.poll(max(1, int(left * 1000)))}
+            ready = {fd for fd, _ in self._poll.poll(max(1, int(left * 1000)))}
             if self._stop_read in ready:
                 return True
             if ready:

@@ -422,7 +422,7 @@ class PostgresStore(SqlStore):
         row = task_to_row(task, now) | {"version": 1}
         try:
             with autocommit_cursor(self.engine) as cursor:
-                cursor.execute(self._create.sql, self._create.params(row))
+                self._create.run(cursor, row)
             return task_from_row(row), True
         except psycopg.IntegrityError:
             return self._existing(task)
