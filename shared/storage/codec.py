@@ -8,7 +8,6 @@ never makes stored tasks unreadable.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from typing import Any
 
 import orjson
@@ -50,10 +49,22 @@ def command_from_json(data: dict[str, Any]) -> Command:
     )
 
 
+def command_to_json(command: Command) -> dict[str, Any]:
+    # Field by field: dataclasses.asdict copies each value deeply, and every save of
+    # a task encodes all its steps' commands.
+    return {
+        "module": command.module,
+        "command": command.command,
+        "timeout": command.timeout,
+        "retry": command.retry,
+        "max_retry_interval": command.max_retry_interval,
+    }
+
+
 def step_to_json(step: Step) -> dict[str, Any]:
     return {
-        "normal": asdict(step.normal),
-        "rollback": asdict(step.rollback) if step.rollback else None,
+        "normal": command_to_json(step.normal),
+        "rollback": command_to_json(step.rollback) if step.rollback else None,
         "state": int(step.state),
         "rollback_state": int(step.rollback_state),
         "code": int(step.code),

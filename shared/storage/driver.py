@@ -11,6 +11,9 @@ checkout checks (the idle ping) and fork handling apply as before.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, cast
@@ -19,7 +22,8 @@ from weakref import WeakKeyDictionary
 import psycopg
 from psycopg.rows import dict_row
 from sqlalchemy import Engine, event
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, DisconnectionError
+from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import ClauseElement
 
@@ -99,41 +103,158 @@ def prepare_on_request(engine: Engine) -> None:
     event.listen(engine, "connect", on_request_only)
 
 
+def answers(dbapi_conn: Any) -> None:
+    """Raise DisconnectionError unless the connection answers a round trip (a database
+    restart closes connections that sat idle, and only the next use would find out)."""
+    try:
+        with dbapi_conn.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        dbapi_conn.rollback()
+    except Exception as exc:
+        raise DisconnectionError(f"pooled connection is dead: {exc}") from exc
+
+
+# How many connections an engine keeps checked out in autocommit between statements.
+KEPT = 4
+
+
+class Kept:
+    """A connection kept out of the pool in autocommit, with its cursor and when it was last used."""
+
+    __slots__ = ("pooled", "cursor", "used_at")
+
+    def __init__(self, pooled: PoolProxiedConnection, cursor: psycopg.Cursor[dict[str, Any]]) -> None:
+        self.pooled = pooled
+        self.cursor = cursor
+        self.used_at = time.monotonic()
+
+
+class KeptConnections:
+    """The few connections an engine keeps in autocommit between statements.
+
+    Giving a connection back to SQLAlchemy's pool after each statement and taking
+    it again (the checkout, the reset on return, autocommit set and unset, a new
+    cursor) cost a worker more CPU per step than the statements' own execute
+    (benchmarks/README.md). The last used comes first, so under a light load one
+    connection serves. At most ``keep`` stay out; the others go back to the pool,
+    which keeps the rest for SQLAlchemy's own transactions. One unused for ``idle``
+    seconds is checked with a round trip before use, as the pool checks its own.
+    """
+
+    def __init__(self, engine: Engine, idle: float, keep: int = KEPT) -> None:
+        self.engine = engine
+        self.idle = idle
+        self.keep = keep
+        self._free: list[Kept] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        # A forked child must neither use nor give back its parent's connections:
+        # their sockets are the parent's. They are held here, untouched, for good.
+        self._inherited: list[Kept] = []
+
+    def take(self) -> Kept:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._inherited += self._free
+                self._free, self._pid = [], os.getpid()
+            kept = self._free.pop() if self._free else None
+        if kept is not None and time.monotonic() - kept.used_at >= self.idle:
+            try:
+                answers(kept.pooled.driver_connection)
+            except DisconnectionError as exc:
+                kept.pooled.invalidate(exc)
+                kept.pooled.close()
+                kept = None
+        if kept is None:
+            kept = self._checkout()
+        return kept
+
+    def _checkout(self) -> Kept:
+        try:
+            pooled = self.engine.raw_connection()
+        except DBAPIError as exc:
+            raise StorageUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:  # a new connection refused: unwrapped here
+            raise StorageUnavailable(f"database unavailable: {exc}") from exc
+        conn: psycopg.Connection[Any] = pooled.driver_connection  # type: ignore[assignment]
+        try:
+            conn.autocommit = True
+            return Kept(pooled, conn.cursor(row_factory=dict_row))
+        except psycopg.Error as exc:  # e.g. refusing autocommit on a closed connection
+            pooled.invalidate(exc)
+            pooled.close()
+            raise StorageUnavailable(f"database connection lost: {exc}") from exc
+
+    def give_back(self, kept: Kept) -> None:
+        """Keep it for the next statement, or return it to the pool out of autocommit, as SQLAlchemy expects it."""
+        kept.used_at = time.monotonic()
+        with self._lock:
+            if self._pid == os.getpid() and len(self._free) < self.keep:
+                self._free.append(kept)
+                return
+        self._return(kept)
+
+    def discard(self, kept: Kept, exc: BaseException | None = None) -> None:
+        kept.pooled.invalidate(exc)
+        kept.pooled.close()
+
+    def release(self) -> None:
+        """Return every kept connection to the pool (before the engine is disposed)."""
+        with self._lock:
+            free, self._free = self._free, []
+            mine = self._pid == os.getpid()
+        for kept in free if mine else []:
+            self._return(kept)
+
+    @staticmethod
+    def _return(kept: Kept) -> None:
+        try:
+            kept.cursor.close()
+            kept.pooled.driver_connection.autocommit = False  # type: ignore[union-attr]
+        except psycopg.Error as exc:
+            kept.pooled.invalidate(exc)
+        kept.pooled.close()
+
+
+_kept: WeakKeyDictionary[Engine, KeptConnections] = WeakKeyDictionary()
+
+
+def keep_connections(engine: Engine, idle: float) -> KeptConnections:
+    """Let :func:`autocommit_cursor` keep a few of ``engine``'s connections between statements."""
+    kept = _kept[engine] = KeptConnections(engine, idle)
+    return kept
+
+
 @contextmanager
 def autocommit_cursor(engine: Engine) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
-    """A cursor on a pooled connection in autocommit: each statement commits on its own.
+    """A cursor on a connection in autocommit: each statement commits on its own.
 
-    The connection goes back to the pool out of autocommit, as SQLAlchemy expects
-    it; one that broke is discarded instead.
+    The connection is one of those the engine keeps (:func:`keep_connections`), or
+    one of the pool's, given back out of autocommit. One that broke is discarded.
     """
+    kept_connections = _kept.get(engine)
+    if kept_connections is None:
+        kept_connections = KeptConnections(engine, idle=0.0, keep=0)
+    kept = kept_connections.take()
+    conn = kept.cursor.connection
     try:
-        pooled = engine.raw_connection()
-    except DBAPIError as exc:
-        raise StorageUnavailable(f"database unavailable: {exc.orig or exc}") from exc
-    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:  # a new connection refused: unwrapped here
-        raise StorageUnavailable(f"database unavailable: {exc}") from exc
-    conn: psycopg.Connection[Any] = pooled.driver_connection  # type: ignore[assignment]
-    try:
-        conn.autocommit = True
-        with conn.cursor(row_factory=dict_row) as cursor:
-            yield cursor
-        conn.autocommit = False
+        yield kept.cursor
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-        pooled.invalidate(exc)
+        kept_connections.discard(kept, exc)
         raise StorageUnavailable(f"database unavailable: {exc}") from exc
     except BaseException as exc:
         # A statement error leaves no transaction open in autocommit; a broken
         # connection (or an interrupted call) is not given to the next caller.
         lost = conn.broken or conn.closed
         if lost or conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            pooled.invalidate()
+            kept_connections.discard(kept)
         else:
-            conn.autocommit = False
+            kept_connections.give_back(kept)
         if lost and isinstance(exc, psycopg.Error):  # e.g. refusing autocommit on a closed connection
             raise StorageUnavailable(f"database connection lost: {exc}") from exc
         raise
-    finally:
-        pooled.close()
+    else:
+        kept_connections.give_back(kept)
 
 
 def by_id(row: Mapping[str, Any]) -> str:

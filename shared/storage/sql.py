@@ -31,7 +31,7 @@ from sqlalchemy import (
     select,
     union_all,
 )
-from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from shared.sqlite import read_only_options, sqlite_engine
 from shared.states import Phase, StepType, TaskStatus
@@ -53,10 +53,12 @@ from shared.storage.base import (
 from shared.storage.codec import json_text, task_from_row, task_to_row
 from shared.storage.driver import (
     DriverStatement,
+    answers,
     autocommit_cursor,
     batch_transaction,
     by_id,
     insert_new,
+    keep_connections,
     prepare_on_request,
 )
 from shared.storage.schema import attempts, metadata, task_events, tasks
@@ -416,7 +418,12 @@ class PostgresStore(SqlStore):
         engine = create_engine(url, pool_size=20, max_overflow=20, json_serializer=json_text)
         ping_idle_connections(engine, IDLE_BEFORE_PING)
         prepare_on_request(engine)
+        self._kept = keep_connections(engine, IDLE_BEFORE_PING)
         return engine
+
+    def close(self) -> None:
+        self._kept.release()
+        super().close()
 
     def create(self, task: Task, now: float) -> tuple[Task, bool]:
         row = task_to_row(task, now) | {"version": 1}
@@ -482,15 +489,8 @@ def ping_idle_connections(engine: Engine, idle: float) -> None:
 
     def alive(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
         since = record.info.get("idle_since")
-        if since is None or time.monotonic() - since < idle:
-            return
-        try:
-            with dbapi_conn.cursor() as cursor:
-                cursor.execute("SELECT 1")
-            dbapi_conn.rollback()
-        except Exception as exc:
-            # The pool discards this connection and checks out another one.
-            raise DisconnectionError(f"pooled connection is dead: {exc}") from exc
+        if since is not None and time.monotonic() - since >= idle:
+            answers(dbapi_conn)  # if not, the pool discards this connection and checks out another one
 
     event.listen(engine, "checkin", idle_from)
     event.listen(engine, "checkout", alive)

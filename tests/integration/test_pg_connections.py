@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from pathlib import Path
@@ -27,56 +28,107 @@ SUPPORT = Path(__file__).resolve().parents[1] / "support"
 pytestmark = pytest.mark.postgres
 
 
-def kill_pooled_connection(store: PostgresStore) -> None:
-    """Terminate the server side of the one connection in the store's pool, as a restart would."""
-    with store.engine.connect() as conn:
-        pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+def terminate(pid: int) -> None:
     admin, _ = postgres_admin()
     with admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
 
 
+def kill_pooled_connection(store: PostgresStore) -> None:
+    """Terminate the server side of the one connection in the store's pool, as a restart would."""
+    with store.engine.connect() as conn:
+        pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+    terminate(pid)
+
+
+def kept_backend(store: PostgresStore) -> int:
+    """The server process of the connection the store keeps for its statements."""
+    with autocommit_cursor(store.engine) as cursor:
+        row = cursor.execute("SELECT pg_backend_pid() AS pid").fetchone()
+    assert row is not None
+    return int(row["pid"])
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["pooled", "kept"])
 @pytest.mark.parametrize(("idle_before_ping", "replaced"), [(0.0, True), (3600.0, False)])
 def test_a_connection_killed_while_idle_is_replaced_only_if_it_idled_long_enough(
-    postgres_url: str, monkeypatch: pytest.MonkeyPatch, idle_before_ping: float, replaced: bool
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch, idle_before_ping: float, replaced: bool, kept: bool
 ) -> None:
     monkeypatch.setattr(sql_module, "IDLE_BEFORE_PING", idle_before_ping)
     store = PostgresStore(postgres_url)
     try:
-        kill_pooled_connection(store)
+        if kept:
+            terminate(kept_backend(store))
+        else:
+            kill_pooled_connection(store)
         if replaced:
             assert store.get("no-such-task") is None  # pinged, found dead, replaced: no error
         else:
             # Not idle long enough to be pinged: the first use finds it dead (callers retry) ...
             with pytest.raises(StorageUnavailable):
                 store.get("no-such-task")
-        assert store.get("no-such-task") is None  # ... and the pool has a fresh one after
+        assert store.get("no-such-task") is None  # ... and a fresh one serves after
     finally:
         store.close()
 
 
-def test_statements_run_on_the_driver_give_their_connection_back_ready_for_transactions(postgres_url: str) -> None:
-    """The hot statements run in autocommit; a transaction after them must still be one."""
+def test_statements_run_on_the_driver_keep_one_connection_in_autocommit_and_transactions_get_another(
+    postgres_url: str,
+) -> None:
+    """The hot statements run in autocommit on a connection kept between them; a
+    transaction of SQLAlchemy's must still be one, on a connection of the pool."""
     store = PostgresStore(postgres_url)
 
-    def out_of_autocommit() -> bool:
+    def in_a_transaction() -> bool:
         with store.transaction() as conn:
-            # One connection in the pool all along: each use handed it back (or replaced it).
-            assert store.engine.pool.checkedout() == 1
+            assert store.engine.pool.checkedout() == 2  # the kept one and this one
             return conn.connection.driver_connection.autocommit is False  # type: ignore[union-attr]
 
     task = submitted(f"driver-{uuid.uuid4().hex}")
     try:
         assert store.create(task, NOW)[1]
         assert store.get(task.task_id) is not None
-        assert out_of_autocommit()
+        backend = kept_backend(store)
+        assert store.engine.pool.checkedout() == 1  # kept out between statements, one for all of them
+        assert in_a_transaction()
         assert store.create(task, NOW) == (store.get(task.task_id), False)  # a duplicate: the INSERT failed
-        assert out_of_autocommit()
-        kill_pooled_connection(store)
+        assert kept_backend(store) == backend  # a failed statement does not cost the connection
+        assert in_a_transaction()
+        terminate(backend)
         with pytest.raises(StorageUnavailable):  # no ping (idle < 2 s): the first use finds it dead
             store.get(task.task_id)
-        assert out_of_autocommit()
+        assert store.engine.pool.checkedout() == 0  # discarded, not kept
         assert store.get(task.task_id) is not None
+        assert kept_backend(store) != backend
+        assert in_a_transaction()
+        store.close()
+        assert store.engine.pool.checkedout() == 0  # closing gives the kept one back
+    finally:
+        store.close()
+
+
+def test_a_forked_process_opens_its_own_connection_and_leaves_its_parents_alone(postgres_url: str) -> None:
+    """A Celery pool process is forked from a worker that may have used the store: a
+    socket shared by two processes would mix their statements' answers."""
+    store = PostgresStore(postgres_url)
+    try:
+        parent = kept_backend(store)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report its connection's server process, and go
+            code = 1
+            try:
+                os.write(write, str(kept_backend(store)).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        child = int(os.read(read, 64) or b"0")
+        os.close(read)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert child not in (0, parent)
+        assert kept_backend(store) == parent  # the parent's connection still answers its own statements
     finally:
         store.close()
 
