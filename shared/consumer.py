@@ -9,6 +9,7 @@ own interruption into :class:`AttemptTimedOut`.
 from __future__ import annotations
 
 import contextvars
+import functools
 import heapq
 import itertools
 import logging
@@ -48,7 +49,13 @@ def call(handler: Handler, ctx: StepContext, timeout: float) -> Outcome:
 
 def worker_name() -> str:
     """Names the process running an attempt in the attempt log: host and pid."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    return _name_of(os.getpid())
+
+
+@functools.lru_cache(maxsize=1)
+def _name_of(pid: int) -> str:
+    # Asked on every write of a step: the host's name once per process (a pool process has its own pid).
+    return f"{socket.gethostname()}:{pid}"
 
 
 class Pulse:

@@ -8,11 +8,12 @@ step's settings were a dump of the flows.yaml model, uniform retries spelled
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from shared.saga import Failed, Started, decide
 from shared.states import Phase, StepType, TaskStatus
-from shared.storage.codec import task_from_row, task_to_row
+from shared.storage.codec import command_to_json, task_from_row, task_to_row
 from shared.task import Command
 
 NOW = 1_700_000_000.0
@@ -88,3 +89,8 @@ def test_rows_written_now_load_back_the_same() -> None:
         "module": "alpha", "command": "step", "timeout": 20.0, "retry": 2, "max_retry_interval": -0.5,
     }
     assert again.steps[0].action(StepType.ROLLBACK).backoff(3) == 4
+
+
+def test_a_command_is_stored_with_every_field_it_has() -> None:
+    command = Command("alpha", "step", 20.0, 2, -0.5)
+    assert command_to_json(command) == dataclasses.asdict(command)
