@@ -18,7 +18,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 
 from shared import metrics
@@ -30,7 +29,7 @@ from shared.saga import PollLater as PollLaterEvent
 from shared.service import TaskNotFound, TaskService, run_on
 from shared.states import Phase, StepType
 from shared.storage import StorageUnavailable, patiently
-from shared.task import Alarm, StepMessage, Task
+from shared.task import Alarm, StepMessage, Task, evolve
 
 log = logging.getLogger(__name__)
 
@@ -273,12 +272,12 @@ class StepConsumer:
                 and self.clock() + next_message.timeout <= continue_until
             )
 
-        stored = self._store_outcome(message, replace(event, started_at=started_at), task, runs_here)
+        stored = self._store_outcome(message, evolve(event, started_at=started_at), task, runs_here)
         following = run_on(stored) if stored is not None else None
         if stored is None or following is None:
             return None
         metrics.CONTINUED.labels(following.module).inc()
-        return replace(following, sent_at=time.time()), stored.task
+        return evolve(following, sent_at=time.time()), stored.task
 
     def _attempt(
         self, message: StepMessage, task: Task, progress_sink: Callable[[Mapping[str, Any]], None] | None = None

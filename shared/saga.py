@@ -27,11 +27,11 @@ plus grace), so a worker killed during a 30-minute step is noticed in seconds.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared.states import Phase, StepCode, StepState, StepType, TaskStatus
-from shared.task import Active, Alarm, StepMessage, Task
+from shared.task import Active, Alarm, StepMessage, Task, evolve
 
 
 class InvalidAction(Exception):
@@ -223,13 +223,13 @@ def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING
     if isinstance(event, Requeue) and task.cancel_requested and task.status is not TaskStatus.ROLLING_BACK:
         return _cancelled_before_running(task, now, timing)
     if isinstance(event, Requeue) and _held(task, event.backlogged, timing):
-        return Decision(replace(task, active=replace(active, due_at=now + timing.requeue_after, held=active.held + 1)))
+        return Decision(evolve(task, active=evolve(active, due_at=now + timing.requeue_after, held=active.held + 1)))
     if isinstance(event, Due | Requeue):
         return _publish_again(task, now, timing)
     if isinstance(event, PublishFailed):
         # Not in any queue: published again at its next look, whatever the backlog.
-        failed = replace(active, due_at=now + timing.publish_retry, held=timing.requeue_holds)
-        return Decision(replace(task, active=failed))
+        failed = evolve(active, due_at=now + timing.publish_retry, held=timing.requeue_holds)
+        return Decision(evolve(task, active=failed))
     if isinstance(event, Started):
         return _started(task, now, timing, event.heartbeats)
     if isinstance(event, Heartbeat):
@@ -285,9 +285,9 @@ def _dispatch(
     seq = task.seq + 1
     if delay > 0:
         active = Active(seq, cursor, step_type, attempt, Phase.WAITING, due_at=now + delay)
-        return Decision(replace(task, seq=seq, active=active))
+        return Decision(evolve(task, seq=seq, active=active))
     active = Active(seq, cursor, step_type, attempt, Phase.QUEUED, due_at=now + timing.requeue_after)
-    task = replace(task, seq=seq, active=active)
+    task = evolve(task, seq=seq, active=active)
     return Decision(task, messages=(message_for(task),))
 
 
@@ -314,20 +314,20 @@ def message_for(task: Task) -> StepMessage:
 
 def _rollback_from(task: Task, start: int, now: float, timing: Timing) -> Decision:
     """Compensate steps ``start``, ``start-1`` … 0, skipping steps without a rollback."""
-    task = replace(task, status=TaskStatus.ROLLING_BACK, active=None)
+    task = evolve(task, status=TaskStatus.ROLLING_BACK, active=None)
     for index in range(start, -1, -1):
         if task.steps[index].rollback is None:
             task = task.with_step(index, rollback_state=StepState.SKIPPED)
             continue
         return _dispatch(task, index, StepType.ROLLBACK, 1, now, timing)
     final = TaskStatus.CANCELLED if task.cancel_requested else TaskStatus.FAILED
-    return Decision(replace(task, status=final, ended_at=now))
+    return Decision(evolve(task, status=final, ended_at=now))
 
 
 def _merge(task: Task, values: Mapping[str, Any]) -> Task:
     if not values:
         return task
-    return replace(task, parameters={**task.parameters, **values})
+    return evolve(task, parameters={**task.parameters, **values})
 
 
 # --- step events ---------------------------------------------------------------
@@ -342,8 +342,8 @@ def _submit(task: Task, now: float, timing: Timing) -> Decision:
 def _publish_again(task: Task, now: float, timing: Timing) -> Decision:
     """Publish the outstanding message (same seq: a copy still in flight stays harmless)."""
     assert task.active is not None
-    active = replace(task.active, phase=Phase.QUEUED, due_at=now + timing.requeue_after, held=0)
-    task = replace(task, active=active)
+    active = evolve(task.active, phase=Phase.QUEUED, due_at=now + timing.requeue_after, held=0)
+    task = evolve(task, active=active)
     return Decision(task, messages=(message_for(task),))
 
 
@@ -366,10 +366,10 @@ def _started(task: Task, now: float, timing: Timing, heartbeats: bool = False) -
             rollback_time_start=step.rollback_time_start or now,
         )
     if task.status is TaskStatus.PENDING:
-        task = replace(task, status=TaskStatus.RUNNING, started_at=now)
-    active = replace(active, phase=Phase.RUNNING, started_at=now)
+        task = evolve(task, status=TaskStatus.RUNNING, started_at=now)
+    active = evolve(active, phase=Phase.RUNNING, started_at=now)
     due_at = _running_deadline(task, active, now, timing) if heartbeats else _deadline(task, active, timing)
-    return Decision(replace(task, active=replace(active, due_at=due_at)))
+    return Decision(evolve(task, active=evolve(active, due_at=due_at)))
 
 
 def _deadline(task: Task, active: Active, timing: Timing) -> float:
@@ -392,7 +392,7 @@ def _heartbeat(task: Task, now: float, timing: Timing) -> Decision:
     # Stored even when the deadline stays (capped, or a coarse clock): the heartbeat's
     # time and progress go to the attempt log with it.
     due_at = _running_deadline(task, active, now, timing)
-    return Decision(replace(task, active=replace(active, due_at=due_at)))
+    return Decision(evolve(task, active=evolve(active, due_at=due_at)))
 
 
 def expiry(task: Task, now: float, timing: Timing) -> Failed:
@@ -420,10 +420,10 @@ def _succeeded(task: Task, event: Succeeded, now: float, timing: Timing) -> Deci
         n, state=StepState.SUCCEEDED, code=StepCode.OK, message=None, time_end=now
     )
     if task.cancel_requested:
-        return _rollback_from(replace(task, message="cancelled by operator"), n, now, timing)
+        return _rollback_from(evolve(task, message="cancelled by operator"), n, now, timing)
     if n == len(task.steps) - 1:
-        return Decision(replace(task, status=TaskStatus.SUCCESS, ended_at=now, active=None))
-    return _dispatch(replace(task, cursor=n + 1), n + 1, StepType.NORMAL, 1, now, timing)
+        return Decision(evolve(task, status=TaskStatus.SUCCESS, ended_at=now, active=None))
+    return _dispatch(evolve(task, cursor=n + 1), n + 1, StepType.NORMAL, 1, now, timing)
 
 
 def _failed(task: Task, event: Failed, now: float, timing: Timing) -> Decision:
@@ -442,12 +442,12 @@ def _failed(task: Task, event: Failed, now: float, timing: Timing) -> Decision:
     where = f"step {n} ({action.module}.{action.command})"
     if active.type is StepType.NORMAL:
         task = task.with_step(n, state=StepState.FAILED, code=code, message=event.error, time_end=now)
-        return _rollback_from(replace(task, message=f"{where} failed: {event.error}"), n, now, timing)
+        return _rollback_from(evolve(task, message=f"{where} failed: {event.error}"), n, now, timing)
 
     task = task.with_step(
         n, rollback_state=StepState.FAILED, code=code, message=event.error, rollback_time_end=now
     )
-    task = replace(
+    task = evolve(
         task,
         status=TaskStatus.ROLLBACK_FAILED,
         message=f"rollback of {where} failed: {event.error}",
@@ -466,7 +466,7 @@ def _poll_later(task: Task, event: PollLater, now: float, timing: Timing) -> Dec
         task = task.with_step(
             active.cursor, state=StepState.CANCELLED, code=StepCode.CANCELLED, time_end=now
         )
-        return _rollback_from(replace(task, message="cancelled by operator"), active.cursor, now, timing)
+        return _rollback_from(evolve(task, message="cancelled by operator"), active.cursor, now, timing)
     delay = max(event.after, 0.0)
     return _dispatch(task, active.cursor, active.type, active.attempt, now, timing, delay)
 
@@ -483,7 +483,7 @@ def _cancel(task: Task, now: float, timing: Timing) -> Decision:
         return Decision(task)
     active = task.active
     assert active is not None, "a pending or running task always has an outstanding step"
-    task = replace(task, cancel_requested=True, message="cancel requested")
+    task = evolve(task, cancel_requested=True, message="cancel requested")
     if active.phase is Phase.RUNNING:
         # The attempt in flight finishes (or times out); its outcome starts the rollback.
         return Decision(task)
@@ -491,7 +491,7 @@ def _cancel(task: Task, now: float, timing: Timing) -> Decision:
         # A consumer may be running it and not have recorded the start yet: its outcome
         # then starts the rollback. If nothing is heard by the time a start would have
         # been recorded, the attempt never ran (the requeue sweep says so).
-        return Decision(replace(task, active=replace(active, due_at=now + timing.start_recorded_within)))
+        return Decision(evolve(task, active=evolve(active, due_at=now + timing.start_recorded_within)))
     return _cancelled_before_running(task, now, timing)
 
 
@@ -499,7 +499,7 @@ def _cancelled_before_running(task: Task, now: float, timing: Timing) -> Decisio
     """The outstanding normal attempt of a cancelled task is not running: compensate now."""
     assert task.active is not None
     n = task.active.cursor
-    task = replace(task, message="cancelled by operator", active=None)
+    task = evolve(task, message="cancelled by operator", active=None)
     if task.steps[n].attempts == 0:
         # Step n never ran: nothing of it to undo.
         return _rollback_from(task, n - 1, now, timing)
@@ -521,7 +521,7 @@ def _retry(task: Task, event: Retry, now: float, timing: Timing) -> Decision:
     steps = task.steps[:start] + tuple(
         type(s)(normal=s.normal, rollback=s.rollback) for s in task.steps[start:]
     )
-    task = replace(
+    task = evolve(
         task,
         steps=steps,
         status=TaskStatus.RUNNING,
@@ -541,5 +541,5 @@ def _resume(task: Task, event: Resume, now: float, timing: Timing) -> Decision:
     task = _merge(task, event.parameters)
     k = max(i for i, s in enumerate(task.steps) if s.rollback_state is StepState.FAILED)
     task = task.with_step(k, rollback_state=StepState.PENDING)
-    task = replace(task, status=TaskStatus.ROLLING_BACK, ended_at=None, message=None)
+    task = evolve(task, status=TaskStatus.ROLLING_BACK, ended_at=None, message=None)
     return _dispatch(task, k, StepType.ROLLBACK, 1, now, timing)

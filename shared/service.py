@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared import metrics
@@ -44,7 +44,7 @@ from shared.saga import (
 from shared.states import Phase, StepType
 from shared.storage import AttemptRecord, TaskEvent, TaskFilter, TaskStore
 from shared.storage.base import all_stored, create_each
-from shared.task import Alarm, StepMessage, Task, new_task
+from shared.task import Alarm, StepMessage, Task, evolve, new_task
 from shared.transition import compare_and_set
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ class TaskService:
             record = _attempt_record(decision.task, start, now, self.timing, worker)
             assert record is not None, "a start always has an attempt record"
             carried.append(record)
-            return replace(decision, task=decide(decision.task, start, now, self.timing).task)
+            return evolve(decision, task=decide(decision.task, start, now, self.timing).task)
 
         def write(task: Task, decision: Decision) -> bool | None:
             if decision.ignored or decision.task is task:
@@ -300,7 +300,7 @@ class TaskService:
         if isinstance(event, Expire):
             metrics.EXPIRED.labels("deadline" if expiry(before, now, self.timing).timed_out else "heartbeat").inc()
         # What is stored now, version included, for the caller's next ``known``.
-        return replace(decision, task=replace(decision.task, version=before.version + 1))
+        return evolve(decision, task=evolve(decision.task, version=before.version + 1))
 
     def _after(self, before: Task, decision: Decision) -> None:
         task = decision.task
@@ -376,7 +376,7 @@ class TaskService:
         )
         if decision.task is before:
             return before
-        return replace(decision.task, version=before.version + 1)
+        return evolve(decision.task, version=before.version + 1)
 
     def _decide_operation(self, task: Task, event: Operation, now: float) -> Decision:
         # Decided first as given, so an action the state forbids is refused as such
@@ -387,7 +387,7 @@ class TaskService:
             return decision
         checked = flow.check_parameters(decision.task.parameters)
         if checked != decision.task.parameters:  # declared defaults filled in
-            decision = decide(task, replace(event, parameters=checked), now, self.timing)
+            decision = decide(task, evolve(event, parameters=checked), now, self.timing)
         return decision
 
     # --- reads ------------------------------------------------------------------
@@ -442,17 +442,17 @@ def _attempt_record(
         worker=worker,
     )
     if isinstance(event, Started):
-        return replace(base, started_at=now)
+        return evolve(base, started_at=now)
     if isinstance(event, Heartbeat):
-        return replace(base, heartbeat_at=now, progress=event.progress)
+        return evolve(base, heartbeat_at=now, progress=event.progress)
     if isinstance(event, Succeeded):
-        return replace(base, ended_at=now, outcome="succeeded", result=dict(event.result))
+        return evolve(base, ended_at=now, outcome="succeeded", result=dict(event.result))
     if isinstance(event, PollLater):
-        return replace(base, ended_at=now, outcome="poll_later", result=dict(event.parameters))
+        return evolve(base, ended_at=now, outcome="poll_later", result=dict(event.parameters))
     if isinstance(event, Expire):
-        return replace(base, ended_at=now, outcome="expired", error=expiry(task, now, timing).error)
+        return evolve(base, ended_at=now, outcome="expired", error=expiry(task, now, timing).error)
     outcome = "timed_out" if event.timed_out else "failed"
-    return replace(base, ended_at=now, outcome=outcome, error=event.error)
+    return evolve(base, ended_at=now, outcome=outcome, error=event.error)
 
 
 _ACTION_KINDS: dict[type, str] = {Cancel: "cancel", Retry: "retry", Resume: "resume"}
