@@ -24,12 +24,13 @@ from shared import metrics
 from shared.config import Settings
 from shared.logs import AttemptFields, attempt_context
 from shared.module import Handler, Module, ModuleError, PermanentError, PollLater, StepContext
+from shared.records import evolve
 from shared.saga import Decision, Failed, Heartbeat, Started, Succeeded, stale
 from shared.saga import PollLater as PollLaterEvent
 from shared.service import TaskNotFound, TaskService, run_on
 from shared.states import Phase, StepType
 from shared.storage import StorageUnavailable, patiently
-from shared.task import Alarm, StepMessage, Task, evolve
+from shared.task import Alarm, StepMessage, Task
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.records import evolve
 from shared.states import Phase, StepCode, StepState, StepType, TaskStatus
-from shared.task import Active, Alarm, StepMessage, Task, evolve
+from shared.task import Active, Alarm, StepMessage, Task
 
 
 class InvalidAction(Exception):

@@ -20,6 +20,7 @@ from shared import metrics
 from shared.config import Settings
 from shared.errors import ServiceError as ServiceError  # re-exported: callers import it from here
 from shared.flows import FlowSet
+from shared.records import evolve
 from shared.saga import (
     DEFAULT_TIMING,
     Cancel,
@@ -44,7 +45,7 @@ from shared.saga import (
 from shared.states import Phase, StepType
 from shared.storage import AttemptRecord, TaskEvent, TaskFilter, TaskStore
 from shared.storage.base import all_stored, create_each
-from shared.task import Alarm, StepMessage, Task, evolve, new_task
+from shared.task import Alarm, StepMessage, Task, new_task
 from shared.transition import compare_and_set
 
 log = logging.getLogger(__name__)

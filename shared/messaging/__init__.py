@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from billiard.exceptions import WorkerLostError
@@ -27,6 +26,7 @@ from shared.logs import AttemptFields, attempt_context, name_message
 from shared.messaging.celery_logs import attempt_fields, follow_attempts, keep_process_logging
 from shared.messaging.embedded import kombu_url, wake_for_stop
 from shared.messaging.running import RunningSteps
+from shared.records import evolve
 from shared.retry import reconnect_delay
 from shared.service import publish_each
 from shared.storage import StorageUnavailable
@@ -446,7 +446,7 @@ class CeleryPublisher:
         soft_limit = message.timeout + self.continue_within
         self._publish(
             STEP_TASK,
-            replace(message, sent_at=time.time()).to_payload(),
+            evolve(message, sent_at=time.time()).to_payload(),
             queue_name(message.module),
             priority=self._level(message),
             time_limit=soft_limit + self.grace,

@@ -24,7 +24,6 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from shared.consumer import AttemptTimedOut
 from shared.module import Handler, PollLater, StepContext
+from shared.records import evolve
 from shared.task import StepMessage
 
 
@@ -92,7 +92,7 @@ class RunningSteps:
             return
         delivery, message = self._current
         # The parameters stay in the database; the report needs the step only.
-        body = json.dumps({"delivery": delivery, "message": replace(message, parameters={}).to_payload()} | extra)
+        body = json.dumps({"delivery": delivery, "message": evolve(message, parameters={}).to_payload()} | extra)
         data = body.encode()
         # One write at the start of the file, which stays open: a step run on costs a
         # system call, not an open, a write, a close and a rename. The length and

@@ -14,12 +14,13 @@ Statuses: 1 pending, 2 running, 3 success, 4 failed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import IntEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.names import NAME
+from shared.records import evolve
 from shared.retry import retry_delay
 
 # Room for a pull-mode saga step's "<task id (64)>.<seq>"; the width of af_pull_tasks.task_id.
@@ -122,15 +123,15 @@ def new_pull_task(
 
 
 def leased(task: PullTask, now: float, heartbeat_timeout: float | None = None) -> PullTask:
-    return replace(task, status=PullStatus.RUNNING, modify_time=now, heartbeat_timeout=heartbeat_timeout)
+    return evolve(task, status=PullStatus.RUNNING, modify_time=now, heartbeat_timeout=heartbeat_timeout)
 
 
 def _failed_attempt(task: PullTask, now: float) -> PullTask:
     """One more failure: retry after the interval, or fail for good."""
     if task.crt_retry_num >= task.max_retry_num:
-        return replace(task, status=PullStatus.FAILED, modify_time=now)
+        return evolve(task, status=PullStatus.FAILED, modify_time=now)
     delay = retry_delay(task.crt_retry_num, task.max_retry_interval)
-    return replace(
+    return evolve(
         task,
         status=PullStatus.PENDING,
         crt_retry_num=task.crt_retry_num + 1,
@@ -143,7 +144,7 @@ def reported(task: PullTask, report: Report, now: float) -> PullTask:
     """The task after a worker's set_task."""
     after = _reported(task, report, now)
     # A lease's heartbeat timeout ends with the lease.
-    return after if after.status is PullStatus.RUNNING else replace(after, heartbeat_timeout=None)
+    return after if after.status is PullStatus.RUNNING else evolve(after, heartbeat_timeout=None)
 
 
 def _reported(task: PullTask, report: Report, now: float) -> PullTask:
@@ -151,22 +152,22 @@ def _reported(task: PullTask, report: Report, now: float) -> PullTask:
         raise InvalidReport(
             f"task {task.task_id} is {task.status.name.lower()}, not running: only a leased task can be set"
         )
-    task = replace(
+    task = evolve(
         task,
         task_content=report.task_content if report.task_content is not None else task.task_content,
         schedule_log=report.schedule_log if report.schedule_log is not None else task.schedule_log,
     )
     if report.status is PullStatus.SUCCESS:
-        return replace(task, status=PullStatus.SUCCESS, modify_time=now)
+        return evolve(task, status=PullStatus.SUCCESS, modify_time=now)
     if report.status is PullStatus.FAILED:
         return _failed_attempt(task, now)
     if report.status is PullStatus.RUNNING:  # progress: the lease starts again
-        return replace(task, modify_time=now)
+        return evolve(task, modify_time=now)
     # PENDING: a retry counted by the worker, or the next stage (seed 001 §三.3).
     if report.crt_retry_num is not None and report.crt_retry_num > task.crt_retry_num:
         return _failed_attempt(task, now)
     stage = report.task_stage if report.task_stage is not None else task.task_stage
-    return replace(
+    return evolve(
         task,
         status=PullStatus.PENDING,
         task_stage=stage,
@@ -189,4 +190,4 @@ def expire(task: PullTask, now: float) -> PullTask | None:
     else:
         line = f"lease expired: no report within max_processing_time ({task.max_processing_time} s)"
     log = f"{task.schedule_log}\n{line}" if task.schedule_log else line
-    return _failed_attempt(replace(task, schedule_log=log[-MAX_LOG_BYTES:], heartbeat_timeout=None), now)
+    return _failed_attempt(evolve(task, schedule_log=log[-MAX_LOG_BYTES:], heartbeat_timeout=None), now)

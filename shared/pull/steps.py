@@ -21,12 +21,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from shared.flows import FlowSet, ModuleDecl
 from shared.module import idempotency_key
 from shared.pull.rules import InvalidReport, PullStatus, PullTask, Report, TaskType
+from shared.records import evolve
 from shared.saga import Event, Failed, Heartbeat, PollLater, Started, Succeeded, message_for
 from shared.service import Publisher, TaskNotFound, TaskService, publish_each
 from shared.states import StepType
@@ -227,11 +227,11 @@ class StepLeases:
                     reason = str(exc)
             if reason is None:
                 # The stored Parameters, not the published copy: the database is the truth.
-                given.append(replace(row, task_content=step_content(message_for(decision.task))))
+                given.append(evolve(row, task_content=step_content(message_for(decision.task))))
                 continue
             # A copy of an attempt already started elsewhere, or of a cancelled task.
             log.info("pull-mode step not leased: %s", reason, extra={"task_id": row.task_id})
-            self.store.save(replace(row, status=PullStatus.FAILED, schedule_log=f"not leased: {reason}"))
+            self.store.save(evolve(row, status=PullStatus.FAILED, schedule_log=f"not leased: {reason}"))
         return given
 
     def report(self, row: PullTask, report: Report, now: float) -> PullTask:
@@ -247,7 +247,7 @@ class StepLeases:
         decision = self.saga.apply(task_id, event, known=task)
         if decision.ignored:
             raise InvalidReport(f"this attempt of the step is over: {decision.ignored}")
-        ended = replace(
+        ended = evolve(
             row,
             status=PullStatus.FAILED if isinstance(event, Failed) else PullStatus.SUCCESS,
             schedule_log=report.schedule_log if report.schedule_log is not None else _log_for(event),
@@ -269,7 +269,7 @@ class StepLeases:
         decision = self.saga.apply(task_id, Heartbeat(seq, progress), worker=f"v1:{row.task_type}")
         if decision.ignored:
             raise InvalidReport(f"this attempt of the step is over: {decision.ignored}")
-        renewed = replace(row, modify_time=now)
+        renewed = evolve(row, modify_time=now)
         self.store.save(renewed)
         return renewed
 

@@ -22,9 +22,10 @@ Choices the rules leave open:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 
+from shared.records import evolve
 from shared.schedules.model import Overlap, Run, RunState, Schedule, SkipReason, task_id_of
 from shared.schedules.timing import initial_cursor, jitter_of, times_after, times_between
 
@@ -122,7 +123,7 @@ def plan_backfill(schedule: Schedule, start: float, end: float, now: float, limi
     runs = tuple(_fired(schedule.schedule_id, t, now) for t in times if t not in schedule.buffered)
     new = schedule
     if runs and schedule.running is None:
-        new = replace(schedule, running=runs[-1].task_id)
+        new = evolve(schedule, running=runs[-1].task_id)
     return Plan(new, runs, before=schedule)
 
 
@@ -207,7 +208,7 @@ class _Work:
 
     def plan(self, cursor: float | None = None, next_at: float | None = None) -> Plan:
         b = self.before
-        new = replace(
+        new = evolve(
             b,
             running=self.running,
             buffered=tuple(self.buffered),

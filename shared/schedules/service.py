@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -22,6 +22,7 @@ from shared import metrics
 from shared.parameters import InvalidParameters
 from shared.pull.rules import PullTask, TaskType, new_pull_task
 from shared.pull.service import PullService
+from shared.records import evolve
 from shared.saga import Cancel, Decision, InvalidAction
 from shared.schedules.definition import Definition, Problem, definition_of
 from shared.schedules.model import TASK_ID_PREFIX, Overlap, Run, RunState, Schedule
@@ -73,7 +74,7 @@ def _resumed(s: Schedule, now: float) -> Schedule:
     if s.when.run_at is not None:
         cursor = min(cursor, initial_cursor(s.when, now))
     following = times_after(s.when, cursor, 1)
-    return replace(s, cursor=cursor, next_at=following[0] if following else None, updated_at=now)
+    return evolve(s, cursor=cursor, next_at=following[0] if following else None, updated_at=now)
 
 
 def _watches_its_task(s: Schedule) -> bool:
@@ -168,8 +169,8 @@ class ScheduleService:
             now = self.clock()
             fresh = self._checked(definition, schedule_id, now, new_run_at=definition.run_at != stored.when.run_at)
             if fresh.when == stored.when:
-                fresh = replace(fresh, cursor=stored.cursor, next_at=stored.next_at)
-            changed = replace(
+                fresh = evolve(fresh, cursor=stored.cursor, next_at=stored.next_at)
+            changed = evolve(
                 fresh,
                 created_at=stored.created_at,
                 running=stored.running,
@@ -184,13 +185,13 @@ class ScheduleService:
         now = self.clock()
         return self._change(
             schedule_id,
-            lambda s: replace(s, paused=True, note=s.note if note is None else note, updated_at=now),
+            lambda s: evolve(s, paused=True, note=s.note if note is None else note, updated_at=now),
         )
 
     def resume(self, schedule_id: str) -> Schedule:
         """Firings that fell in the pause are not made up for: the schedule goes on from now."""
         now = self.clock()
-        return self._change(schedule_id, lambda s: _resumed(replace(s, paused=False), now) if s.paused else s)
+        return self._change(schedule_id, lambda s: _resumed(evolve(s, paused=False), now) if s.paused else s)
 
     def delete(self, schedule_id: str) -> None:
         if not self.store.delete(schedule_id):
@@ -241,8 +242,8 @@ class ScheduleService:
             runs = tuple(r for r in plan.runs if r.scheduled_at not in known)
             # The newest task it starts may be one that ran already: then nothing new runs.
             newest = max((r for r in runs if r.task_id), key=lambda r: r.scheduled_at, default=None)
-            after = replace(plan.schedule, running=newest.task_id if newest and s.running is None else s.running)
-            return replace(plan, schedule=after, runs=runs)
+            after = evolve(plan.schedule, running=newest.task_id if newest and s.running is None else s.running)
+            return evolve(plan, schedule=after, runs=runs)
 
         return self._fire_one(schedule_id, decide)
 
@@ -263,7 +264,7 @@ class ScheduleService:
         written = self._write(planned, lease, now)
         for (before, plan), ok in zip(planned, written, strict=True):
             if ok:
-                after.append(replace(plan.schedule, version=before.version + 1))
+                after.append(evolve(plan.schedule, version=before.version + 1))
             elif (fresh := self.store.get(before.schedule_id)) is not None:
                 after.append(fresh)
         return after
@@ -299,7 +300,7 @@ class ScheduleService:
             return None if changed == stored else self.store.save(changed)
 
         stored, changed = compare_and_set(f"schedule {schedule_id}", lambda: self.get(schedule_id), decide, write)
-        return stored if changed == stored else replace(changed, version=stored.version + 1)
+        return stored if changed == stored else evolve(changed, version=stored.version + 1)
 
     def _fire_one(
         self, schedule_id: str, decide: Callable[[Schedule, Running, float], Plan]

@@ -7,10 +7,11 @@ import builtins
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from shared.pull.rules import PullTask, TaskType
+from shared.records import evolve
 from shared.retry import reconnect_delay
 from shared.schedules.model import Run, Schedule
 from shared.states import Phase, StepType, TaskStatus
@@ -301,7 +302,7 @@ def batch_created(
     answer: list[Stored[Created]] = []
     for task in batch:
         if task.task_id in inserted:
-            answer.append((replace(task, version=1), True))
+            answer.append((evolve(task, version=1), True))
             continue
         old = stored.get(task.task_id)
         if old is None or not same(old, task):

@@ -10,10 +10,10 @@ from __future__ import annotations
 import builtins
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from shared.pull.rules import PullStatus, PullTask, TaskType, leased
+from shared.records import evolve
 from shared.schedules.model import Run, Schedule
 from shared.schedules.timetable import wake_at
 from shared.states import Phase, TaskStatus
@@ -70,7 +70,7 @@ class InMemoryStore(TaskStore):
                 if not same_request(stored, task):
                     raise TaskConflict(f"task id {task.task_id!r} is already used")
                 return stored, False
-            self._tasks[task.task_id] = replace(task, version=1)
+            self._tasks[task.task_id] = evolve(task, version=1)
             return self._tasks[task.task_id], True
 
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
@@ -92,7 +92,7 @@ class InMemoryStore(TaskStore):
             stored = self._tasks.get(task.task_id)
             if stored is None or stored.version != task.version:
                 return False
-            self._tasks[task.task_id] = replace(task, version=task.version + 1)
+            self._tasks[task.task_id] = evolve(task, version=task.version + 1)
             if event is not None:
                 self._events.setdefault(event.task_id, []).append(event)
             for record in (attempt, next_attempt):
@@ -104,12 +104,12 @@ class InMemoryStore(TaskStore):
         key = (attempt.task_id, attempt.seq)
         previous = self._attempts.get(key)
         if previous is not None and attempt.write == "outcome":
-            attempt = replace(
+            attempt = evolve(
                 previous, ended_at=attempt.ended_at, outcome=attempt.outcome,
                 error=attempt.error, result=attempt.result,
             )
         elif previous is not None and attempt.write == "heartbeat":
-            attempt = replace(previous, heartbeat_at=attempt.heartbeat_at, progress=attempt.progress)
+            attempt = evolve(previous, heartbeat_at=attempt.heartbeat_at, progress=attempt.progress)
         if previous is not None or attempt.write == "insert":
             self._attempts[key] = attempt
 
@@ -251,7 +251,7 @@ class InMemoryPullStore(PullStore):
                 if (stored.task_type, stored.user_id) != (task.task_type, task.user_id):
                     raise TaskConflict(f"task id {task.task_id!r} is already used")
                 return stored, False
-            task = replace(
+            task = evolve(
                 task,
                 max_retry_num=config.max_retry_num,
                 max_retry_interval=config.max_retry_interval,
@@ -272,9 +272,9 @@ class InMemoryPullStore(PullStore):
         with self._lock:
             stored = self._tasks.get(task.task_id)
             if stored is None:
-                self._tasks[task.task_id] = replace(task, version=1)
+                self._tasks[task.task_id] = evolve(task, version=1)
             elif stored.status is not PullStatus.PENDING:
-                self._tasks[task.task_id] = replace(
+                self._tasks[task.task_id] = evolve(
                     task, create_time=stored.create_time, version=stored.version + 1
                 )
 
@@ -322,7 +322,7 @@ class InMemoryPullStore(PullStore):
                 ),
                 key=lambda t: t.order_time,
             )[:limit]
-            held = [replace(leased(t, now, heartbeat_timeout), version=t.version + 1) for t in ready]
+            held = [evolve(leased(t, now, heartbeat_timeout), version=t.version + 1) for t in ready]
             self._tasks.update((t.task_id, t) for t in held)
             return held
 
@@ -331,7 +331,7 @@ class InMemoryPullStore(PullStore):
             stored = self._tasks.get(task.task_id)
             if stored is None or stored.version != task.version:
                 return False
-            self._tasks[task.task_id] = replace(task, version=task.version + 1)
+            self._tasks[task.task_id] = evolve(task, version=task.version + 1)
             return True
 
     def due(self, now: float, limit: int) -> builtins.list[PullTask]:
@@ -367,7 +367,7 @@ class InMemoryScheduleStore(ScheduleStore):
             stored = self._schedules.get(schedule.schedule_id)
             if stored is not None:
                 return stored, False
-            stored = replace(schedule, version=1)
+            stored = evolve(schedule, version=1)
             self._schedules[schedule.schedule_id] = stored
             self._changed_at[schedule.schedule_id] = schedule.updated_at
             return stored, True
@@ -388,7 +388,7 @@ class InMemoryScheduleStore(ScheduleStore):
             stored = self._schedules.get(schedule.schedule_id)
             if stored is None or stored.version != schedule.version:
                 return False
-            self._schedules[schedule.schedule_id] = replace(schedule, version=schedule.version + 1)
+            self._schedules[schedule.schedule_id] = evolve(schedule, version=schedule.version + 1)
             if changed:
                 self._changed_at[schedule.schedule_id] = schedule.updated_at
             return True
@@ -461,7 +461,7 @@ class InMemoryScheduleStore(ScheduleStore):
             if held is not None and held.expires_at > now and held.owner != owner:
                 return None
             if held is not None and held.owner == owner and held.expires_at > now:
-                lease = replace(held, expires_at=now + ttl)
+                lease = evolve(held, expires_at=now + ttl)
             else:
                 lease = Lease(name, owner, (held.epoch if held else 0) + 1, now + ttl)
             self._leases[name] = lease
@@ -470,7 +470,7 @@ class InMemoryScheduleStore(ScheduleStore):
     def release(self, lease: Lease) -> None:
         with self._lock:
             if self._leases.get(lease.name) == lease:
-                self._leases[lease.name] = replace(lease, expires_at=0.0)
+                self._leases[lease.name] = evolve(lease, expires_at=0.0)
 
     def purge(self, before: float, limit: int, tasks: bool) -> int:
         with self._lock:
@@ -499,14 +499,14 @@ class InMemoryProcessStore(ProcessStore):
             row = self._rows.get(process_id)
             if row is None:
                 return False
-            self._rows[process_id] = replace(row, seen_at=seen_at, detail=dict(detail), metrics=list(metrics))
+            self._rows[process_id] = evolve(row, seen_at=seen_at, detail=dict(detail), metrics=list(metrics))
             return True
 
     def stop(self, process_id: str, at: float) -> None:
         with self._lock:
             row = self._rows.get(process_id)
             if row is not None:
-                self._rows[process_id] = replace(row, seen_at=at, stopped_at=at)
+                self._rows[process_id] = evolve(row, seen_at=at, stopped_at=at)
 
     def list(self, seen_since: float | None = None) -> builtins.list[ProcessRecord]:
         with self._lock:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -22,6 +21,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from shared.pull.rules import PullStatus, PullTask, TaskType
+from shared.records import evolve
 from shared.storage.base import PullStore, Stored, TaskConflict, TypeSummary, batch_created, same_pull_request
 from shared.storage.driver import DriverStatement, autocommit_cursor, batch_transaction, by_id, insert_new
 from shared.storage.schema import pull_tasks, task_types
@@ -211,7 +211,7 @@ class SqlPullStore(PullStore):
             return stored, False
         if inserted is None:
             return None
-        return replace(task, version=1, **inserted), True
+        return evolve(task, version=1, **inserted), True
 
     def create_many(self, batch: Sequence[PullTask], each: bool = False) -> builtins.list[Stored[PullTask]]:
         rows = [create_row(task) for task in batch]
@@ -228,7 +228,7 @@ class SqlPullStore(PullStore):
             return batch_created(batch, inserted, found, same_pull_request, each)  # raising, it rolls the batch back
 
     def enqueue(self, task: PullTask) -> None:
-        row = _row(replace(task, version=1))
+        row = _row(evolve(task, version=1))
         stmt = self._upsert(row)
         with self.sql.transaction() as conn:
             conn.execute(stmt)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from typing import Any
 
 from sqlalchemy import Connection, and_, bindparam, delete, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 
 from shared.pull.rules import PullStatus
+from shared.records import evolve
 from shared.schedules.model import Overlap, Policy, Run, RunState, Schedule, Target, When
 from shared.schedules.timetable import wake_at
 from shared.states import TERMINAL, TaskStatus
@@ -137,7 +138,7 @@ class SqlScheduleStore(ScheduleStore):
         self.sql = sql
 
     def add(self, schedule: Schedule) -> tuple[Schedule, bool]:
-        stored = replace(schedule, version=1)
+        stored = evolve(schedule, version=1)
         try:
             with self.sql.transaction() as conn:
                 conn.execute(insert(schedules).values(**_row(stored)))
@@ -150,7 +151,7 @@ class SqlScheduleStore(ScheduleStore):
 
     def add_many(self, new: Iterable[Schedule], batch: int = 5000) -> int:
         """Insert many new schedules (a bulk import); an existing id fails the whole call."""
-        rows = [_row(replace(s, version=1)) for s in new]
+        rows = [_row(evolve(s, version=1)) for s in new]
         with self.sql.transaction() as conn:
             for start in range(0, len(rows), batch):
                 conn.execute(insert(schedules), rows[start : start + batch])
@@ -171,7 +172,7 @@ class SqlScheduleStore(ScheduleStore):
             return [_schedule(r) for r in conn.execute(query)]
 
     def save(self, schedule: Schedule, changed: bool = True) -> bool:
-        values = _row(replace(schedule, version=schedule.version + 1))
+        values = _row(evolve(schedule, version=schedule.version + 1))
         del values["schedule_id"], values["created_at"]
         if not changed:
             del values["changed_at"], values["definition"]

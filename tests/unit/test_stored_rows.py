@@ -11,12 +11,10 @@ import copy
 import dataclasses
 from typing import Any
 
-import pytest
-
 from shared.saga import Failed, Started, decide
 from shared.states import Phase, StepType, TaskStatus
 from shared.storage.codec import command_to_json, task_from_row, task_to_row
-from shared.task import Command, evolve
+from shared.task import Command
 
 NOW = 1_700_000_000.0
 
@@ -97,11 +95,3 @@ def test_a_command_is_stored_with_every_field_it_has() -> None:
     command = Command("alpha", "step", 20.0, 2, -0.5)
     assert command_to_json(command) == dataclasses.asdict(command)
 
-
-def test_evolve_copies_as_replace_does_and_refuses_what_is_not_a_field() -> None:
-    task = task_from_row(ROW_0_1_0)
-    changed = evolve(task, seq=9, message="moved")
-    assert changed == dataclasses.replace(task, seq=9, message="moved")
-    assert (task.seq, task.message) == (ROW_0_1_0["seq"], ROW_0_1_0["message"])  # the original is untouched
-    with pytest.raises(TypeError, match="no field"):
-        evolve(task, sequence=9)
