@@ -11,9 +11,12 @@ checkout checks (the idle ping) and fork handling apply as before.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, cast
@@ -147,23 +150,19 @@ class KeptConnections:
         self.keep = keep
         self._free: list[Kept] = []
         self._lock = threading.Lock()
-        self._pid = os.getpid()
         # A forked child must neither use nor give back its parent's connections:
         # their sockets are the parent's. They are held here, untouched, for good.
         self._inherited: list[Kept] = []
+        os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def take(self) -> Kept:
         with self._lock:
-            if self._pid != os.getpid():
-                self._inherited += self._free
-                self._free, self._pid = [], os.getpid()
             kept = self._free.pop() if self._free else None
         if kept is not None and time.monotonic() - kept.used_at >= self.idle:
             try:
                 answers(kept.pooled.driver_connection)
             except DisconnectionError as exc:
-                kept.pooled.invalidate(exc)
-                kept.pooled.close()
+                self.discard(kept, exc)
                 kept = None
         if kept is None:
             kept = self._checkout()
@@ -189,21 +188,25 @@ class KeptConnections:
         """Keep it for the next statement, or return it to the pool out of autocommit, as SQLAlchemy expects it."""
         kept.used_at = time.monotonic()
         with self._lock:
-            if self._pid == os.getpid() and len(self._free) < self.keep:
+            if len(self._free) < self.keep:
                 self._free.append(kept)
                 return
         self._return(kept)
 
     def discard(self, kept: Kept, exc: BaseException | None = None) -> None:
+        """Drop a broken connection. The others are pinged before their next use: what
+        broke one (a database restart) has likely broken them too."""
         kept.pooled.invalidate(exc)
         kept.pooled.close()
+        with self._lock:
+            for other in self._free:
+                other.used_at = -math.inf
 
     def release(self) -> None:
-        """Return every kept connection to the pool (before the engine is disposed)."""
+        """Return every kept connection to the pool, and keep none from now on (the store is closing)."""
         with self._lock:
-            free, self._free = self._free, []
-            mine = self._pid == os.getpid()
-        for kept in free if mine else []:
+            free, self._free, self.keep = self._free, [], 0
+        for kept in free:
             self._return(kept)
 
     @staticmethod
@@ -216,25 +219,21 @@ class KeptConnections:
         kept.pooled.close()
 
 
-_kept: WeakKeyDictionary[Engine, KeptConnections] = WeakKeyDictionary()
-
-
-def keep_connections(engine: Engine, idle: float) -> KeptConnections:
-    """Let :func:`autocommit_cursor` keep a few of ``engine``'s connections between statements."""
-    kept = _kept[engine] = KeptConnections(engine, idle)
-    return kept
+def _forked(ref: weakref.ReferenceType[KeptConnections]) -> None:
+    kept = ref()
+    if kept is not None:
+        # Its lock may have been held by a thread of the parent, which the child does not have.
+        kept._lock = threading.Lock()
+        kept._inherited += kept._free
+        kept._free = []
 
 
 @contextmanager
-def autocommit_cursor(engine: Engine) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
-    """A cursor on a connection in autocommit: each statement commits on its own.
+def autocommit_cursor(kept_connections: KeptConnections) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+    """A cursor on one of ``kept_connections``, in autocommit: each statement commits on its own.
 
-    The connection is one of those the engine keeps (:func:`keep_connections`), or
-    one of the pool's, given back out of autocommit. One that broke is discarded.
+    One that broke is discarded.
     """
-    kept_connections = _kept.get(engine)
-    if kept_connections is None:
-        kept_connections = KeptConnections(engine, idle=0.0, keep=0)
     kept = kept_connections.take()
     conn = kept.cursor.connection
     try:

@@ -52,13 +52,14 @@ from shared.storage.base import (
 )
 from shared.storage.codec import json_text, task_from_row, task_to_row
 from shared.storage.driver import (
+    KEPT,
     DriverStatement,
+    KeptConnections,
     answers,
     autocommit_cursor,
     batch_transaction,
     by_id,
     insert_new,
-    keep_connections,
     prepare_on_request,
 )
 from shared.storage.schema import attempts, metadata, task_events, tasks
@@ -415,20 +416,22 @@ class PostgresStore(SqlStore):
         # Connections are kept, not opened per burst: a new PostgreSQL connection costs
         # a backend process and several round trips, more than the statement it serves.
         # 20 covers the API's request threads; overflow connections are closed on return.
-        engine = create_engine(url, pool_size=20, max_overflow=20, json_serializer=json_text)
+        # The connections kept between statements (driver.KEPT) come on top.
+        engine = create_engine(url, pool_size=20, max_overflow=20 + KEPT, json_serializer=json_text)
         ping_idle_connections(engine, IDLE_BEFORE_PING)
         prepare_on_request(engine)
-        self._kept = keep_connections(engine, IDLE_BEFORE_PING)
+        # The engine's connections for the hot statements, kept between them.
+        self.connections = KeptConnections(engine, IDLE_BEFORE_PING)
         return engine
 
     def close(self) -> None:
-        self._kept.release()
+        self.connections.release()
         super().close()
 
     def create(self, task: Task, now: float) -> tuple[Task, bool]:
         row = task_to_row(task, now) | {"version": 1}
         try:
-            with autocommit_cursor(self.engine) as cursor:
+            with autocommit_cursor(self.connections) as cursor:
                 self._create.run(cursor, row)
             return task_from_row(row), True
         except psycopg.IntegrityError:
@@ -437,12 +440,12 @@ class PostgresStore(SqlStore):
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
         rows = [task_to_row(task, now) | {"version": 1} for task in batch]
         rows.sort(key=by_id)
-        with autocommit_cursor(self.engine) as cursor, batch_transaction(cursor, rows):
+        with autocommit_cursor(self.connections) as cursor, batch_transaction(cursor, rows):
             inserted, found = insert_new(cursor, self._create_new, self._get, rows)
             return batch_created(batch, inserted, map(task_from_row, found), same_request, each)
 
     def get(self, task_id: str) -> Task | None:
-        with autocommit_cursor(self.engine) as cursor:
+        with autocommit_cursor(self.connections) as cursor:
             row = self._get.run(cursor, {"b_task_id": task_id}).fetchone()
         return task_from_row(row) if row is not None else None
 
@@ -466,7 +469,7 @@ class PostgresStore(SqlStore):
             kind += "+next"
             params |= _attempt_params(next_attempt, NEXT_ATTEMPT_PREFIX)
         statement = self._save[kind]
-        with autocommit_cursor(self.engine) as cursor:  # one statement: atomic on its own
+        with autocommit_cursor(self.connections) as cursor:  # one statement: atomic on its own
             row = statement.run(cursor, params).fetchone()
         return row is not None and next(iter(row.values())) == 1
 

@@ -23,9 +23,16 @@ from sqlalchemy.exc import IntegrityError
 from shared.pull.rules import PullStatus, PullTask, TaskType
 from shared.records import evolve
 from shared.storage.base import PullStore, Stored, TaskConflict, TypeSummary, batch_created, same_pull_request
-from shared.storage.driver import DriverStatement, autocommit_cursor, batch_transaction, by_id, insert_new
+from shared.storage.driver import (
+    DriverStatement,
+    KeptConnections,
+    autocommit_cursor,
+    batch_transaction,
+    by_id,
+    insert_new,
+)
 from shared.storage.schema import pull_tasks, task_types
-from shared.storage.sql import SqlStore
+from shared.storage.sql import PostgresStore, SqlStore
 
 if TYPE_CHECKING:
     from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
@@ -145,6 +152,10 @@ class SqlPullStore(PullStore):
                 "hold by type": DriverStatement(self._hold[True], sql.engine),
             }
 
+    def _connections(self) -> KeptConnections:
+        assert isinstance(self.sql, PostgresStore), "the driver's statements run on PostgreSQL"
+        return self.sql.connections
+
     def _read_one(self, name: str, statement: Any, values: dict[str, Any]) -> Any:
         """The row ``statement`` (the driver's ``name`` on PostgreSQL) reads, or None."""
         if self._driver is not None:
@@ -160,7 +171,7 @@ class SqlPullStore(PullStore):
         """
         assert self._driver is not None
         statement = self._driver[name]
-        with autocommit_cursor(self.sql.engine) as cursor:
+        with autocommit_cursor(self._connections()) as cursor:
             statement.run(cursor, values)
             return (cursor.fetchall() if cursor.description is not None else []), cursor.rowcount
 
@@ -217,7 +228,7 @@ class SqlPullStore(PullStore):
         rows = [create_row(task) for task in batch]
         rows.sort(key=by_id)
         if self._driver is not None:
-            with autocommit_cursor(self.sql.engine) as cursor, batch_transaction(cursor, rows):
+            with autocommit_cursor(self._connections()) as cursor, batch_transaction(cursor, rows):
                 inserted, stored = insert_new(cursor, self._driver["create new"], self._driver["get"], rows)
                 found = [_task(row) for row in stored]
                 return batch_created(batch, inserted, found, same_pull_request, each)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 import pytest
@@ -43,7 +46,7 @@ def kill_pooled_connection(store: PostgresStore) -> None:
 
 def kept_backend(store: PostgresStore) -> int:
     """The server process of the connection the store keeps for its statements."""
-    with autocommit_cursor(store.engine) as cursor:
+    with autocommit_cursor(store.connections) as cursor:
         row = cursor.execute("SELECT pg_backend_pid() AS pid").fetchone()
     assert row is not None
     return int(row["pid"])
@@ -176,7 +179,7 @@ def test_only_the_hot_statements_are_prepared_and_they_are_prepared_anew_every_p
     store = PostgresStore(postgres_url)
 
     def prepared() -> list[tuple[str, int]]:
-        with autocommit_cursor(store.engine) as cursor:  # the pool's one connection
+        with autocommit_cursor(store.connections) as cursor:  # the pool's one connection
             rows = cursor.execute("SELECT statement, generic_plans + custom_plans AS runs FROM pg_prepared_statements")
             return [(row["statement"], row["runs"]) for row in rows.fetchall()]
 
@@ -217,3 +220,41 @@ def rows_scanned(schema: str, store: PostgresStore) -> int:
             (schema,),
         ).fetchone()
     return int(row[0]) if row is not None else 0
+
+
+def test_a_store_dropped_without_closing_takes_its_engine_and_connections_with_it(postgres_url: str) -> None:
+    store = PostgresStore(postgres_url)
+    kept_backend(store)
+    engine = weakref.ref(store.engine)
+    del store
+    gc.collect()
+    assert engine() is None
+
+
+def test_a_child_forked_while_a_thread_holds_the_kept_connections_lock_does_not_hang(postgres_url: str) -> None:
+    store = PostgresStore(postgres_url)
+    kept = store.connections
+    try:
+        kept_backend(store)
+        with kept._lock:  # as a thread of the parent would, at the moment of the fork
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    signal.alarm(10)
+                    kept_backend(store)
+                    code = 0
+                finally:
+                    os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        store.close()
+
+
+def test_a_connection_in_use_when_the_store_closes_goes_back_to_the_pool_afterwards(postgres_url: str) -> None:
+    store = PostgresStore(postgres_url)
+    with autocommit_cursor(store.connections) as cursor:
+        store.close()
+        cursor.execute("SELECT 1")
+    assert store.engine.pool.checkedout() == 0

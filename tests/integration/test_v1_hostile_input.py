@@ -74,7 +74,7 @@ def _post_fields(api: Api, path: str, body: Any, ascii_only: bool) -> None:
     answer = api.post(path, encode(body, ascii_only))
     if answer is not None and answer["code"] == 0 and path == "create_task":
         given_id = body["task_data"].get("task_id")
-        if given_id is not None:
+        if given_id:  # "" is "not filled" (seed 000; oss_api.v1): a new id is made, as for none
             assert answer["task_id"] == given_id  # a chosen id is kept, never replaced
 
 

@@ -30,5 +30,22 @@ class Checked:
 
 
 def test_a_record_that_checks_itself_is_refused_rather_than_copied_unchecked() -> None:
-    with pytest.raises(TypeError, match="__post_init__"):
+    with pytest.raises(TypeError, match="more than its fields"):
         evolve(Checked(1), value=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    value: int
+    twice: int = dataclasses.field(init=False, default=0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slotted:
+    value: int
+
+
+@pytest.mark.parametrize("record", [Derived(1), Slotted(1)], ids=["init=False", "slots"])
+def test_a_record_that_replace_would_build_otherwise_is_refused(record: object) -> None:
+    with pytest.raises(TypeError, match="more than its fields"):
+        evolve(record, value=2)
