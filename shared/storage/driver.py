@@ -249,7 +249,7 @@ def autocommit_cursor(kept_connections: KeptConnections) -> Iterator[psycopg.Cur
             kept_connections.discard(kept)
         else:
             kept_connections.give_back(kept)
-        if lost and isinstance(exc, psycopg.Error):  # e.g. refusing autocommit on a closed connection
+        if lost and isinstance(exc, psycopg.Error):  # e.g. a statement sent on a closed connection
             raise StorageUnavailable(f"database connection lost: {exc}") from exc
         raise
     else:
