@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from sqlalchemy import bindparam, func, insert, select, update
+from sqlalchemy import any_, bindparam, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
@@ -73,13 +73,17 @@ def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
         .order_by(pull_tasks.c.order_time)
         .limit(limit)
     )
+    chosen: Any = pull_tasks.c.task_id.in_(claim)
     if skip_locked:
-        claim = claim.with_for_update(skip_locked=True)
+        # As an array, not IN: the planner cannot see a limit read from the type's row and
+        # guessed a tenth of the table, then joined it by scanning the whole table (26 ms a
+        # call at 48,000 pending once analyzed). An array is looked up through the key.
+        chosen = pull_tasks.c.task_id == any_(func.array(claim.with_for_update(skip_locked=True).scalar_subquery()))
     now = bindparam("held_at", type_=pull_tasks.c.modify_time.type)
     heartbeat = bindparam("held_heartbeat", type_=pull_tasks.c.heartbeat_timeout.type)
     return (
         update(pull_tasks)
-        .where(pull_tasks.c.task_id.in_(claim))
+        .where(chosen)
         .values(
             status=int(PullStatus.RUNNING),
             modify_time=now,
@@ -91,6 +95,10 @@ def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
     )
 
 
+# By whether the claim skips locked rows (PostgreSQL: concurrent holds skip each other's rows;
+# SQLite's write transaction, BEGIN IMMEDIATE, serializes them instead), then by whether the
+# limit is the type's schedule_limit (read by the statement) or a parameter.
+HOLD = {skip: {by_type: _hold_statement(skip, by_type) for by_type in (False, True)} for skip in (False, True)}
 # Built once: create_task is the hot path, and building it costs more than running it.
 CREATE_PULL_TASK = _create_statement()
 CREATE_PULL_TASKS = _create_statement(returning=False)
@@ -133,10 +141,8 @@ def _task(row: Any) -> PullTask:
 class SqlPullStore(PullStore):
     def __init__(self, sql: SqlStore) -> None:
         self.sql = sql
-        # On PostgreSQL concurrent holds skip each other's rows; SQLite's write
-        # transaction (BEGIN IMMEDIATE) serializes them instead.
         postgres = sql.engine.dialect.name == "postgresql"
-        self._hold = {by_type: _hold_statement(postgres, by_type) for by_type in (False, True)}
+        self._hold = HOLD[postgres]
         self._driver: dict[str, DriverStatement] | None = None
         if postgres:
             self._driver = {
