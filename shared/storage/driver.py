@@ -41,7 +41,7 @@ class DriverStatement:
     """One statement compiled for the engine's dialect, and its parameters' conversions.
 
     ``prepared``: a statement whose plan does not depend on the tables' sizes (by
-    primary key), prepared on each connection so that PostgreSQL may plan it once
+    primary key, or a v1 claim in its index's order), prepared on each connection so that PostgreSQL may plan it once
     there instead of on every execution. No other statement is prepared
     (:func:`prepare_on_request`).
     """

@@ -54,12 +54,17 @@ def scans(plan: dict[str, Any]) -> Iterator[tuple[str, str | None]]:
 
 
 @pytest.mark.parametrize("limit_of_type", [True, False], ids=["type's limit", "given limit"])
-def test_a_hold_reads_through_the_indexes_whatever_the_tables_size(loaded: SqlStore, limit_of_type: bool) -> None:
+# The plan of one execution, and the plan kept by a connection that prepared the statement.
+@pytest.mark.parametrize("plan", ["force_custom_plan", "force_generic_plan"])
+def test_a_hold_reads_through_the_indexes_whatever_the_tables_size(
+    loaded: SqlStore, limit_of_type: bool, plan: str
+) -> None:
     statement = DriverStatement(HOLD[True][limit_of_type], loaded.engine)
     values = {"held_type": "big", "held_at": NOW + PENDING, "held_heartbeat": None, "held_limit": 1}
     with loaded.engine.connect() as conn:
         raw = conn.connection.driver_connection
         assert isinstance(raw, psycopg.Connection)
+        raw.execute(f"SET LOCAL plan_cache_mode = {plan}")
         found = raw.execute(b"EXPLAIN (FORMAT JSON) " + statement.sql, statement.params(values)).fetchone()
         conn.rollback()
     assert found is not None
