@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import zlib
@@ -36,9 +37,11 @@ from shared.task import StepMessage
 
 
 class RunningSteps:
-    def __init__(self, grace: float) -> None:
+    def __init__(self, grace: float, root: Path | None = None) -> None:
         self.grace = grace
-        self.directory = Path(tempfile.mkdtemp(prefix="asyncflow-worker-"))
+        root = Path(tempfile.gettempdir()) if root is None else root
+        remove_orphans(root)
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{_prefix()}{os.getpid()}-", dir=root))
         self._current: tuple[str, StepMessage] | None = None  # in a pool process
         self._note = -1  # the pool process's note file, open for writing
         self._note_pid: int | None = None
@@ -116,6 +119,35 @@ class RunningSteps:
         if note.get("delivery") != delivery:
             return delivered, None  # a note of an earlier delivery of that process
         return StepMessage.from_payload(note["message"]), note.get("killed")
+
+
+def _prefix() -> str:
+    return f"asyncflow-worker-{socket.gethostname()}-"
+
+
+def remove_orphans(root: Path) -> None:
+    """Remove the note directories that workers of this host left behind when they died.
+
+    A worker removes its own at exit, but not when it is killed (SIGKILL, the
+    out-of-memory killer) nor after the last-resort exit of a cold shutdown that
+    hangs (``os._exit``). The next worker started removes those whose process, named
+    with the host in the directory's name, no longer runs.
+    """
+    prefix = _prefix()
+    for path in root.glob(prefix + "*"):
+        pid = path.name[len(prefix) :].partition("-")[0]
+        if pid.isdigit() and not _runs(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def read_note(path: Path) -> dict[str, Any]:

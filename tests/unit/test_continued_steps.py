@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -250,3 +252,20 @@ def test_a_note_reads_back_whole_after_a_longer_one_and_a_cut_off_one_reads_as_n
         assert running.step_of("delivery-1", os.getpid(), delivered) == (delivered, None)
     note.write_bytes(record.replace(b'"seq": 3', b'"seq": 4'))  # new bytes ahead, old ones behind
     assert running.step_of("delivery-1", os.getpid(), delivered) == (delivered, None)
+
+
+def test_a_worker_removes_the_note_directories_its_hosts_dead_workers_left(tmp_path: Path) -> None:
+    """Killed or ended by os._exit, a worker leaves its directory; the next one started removes it."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    host = socket.gethostname()
+    dead = tmp_path / f"asyncflow-worker-{host}-{ended.pid}-a1"
+    alive = tmp_path / f"asyncflow-worker-{host}-{os.getpid()}-b2"
+    elsewhere = tmp_path / f"asyncflow-worker-another-host-{ended.pid}-c3"  # its pid means nothing here
+    for path in (dead, alive, elsewhere):
+        path.mkdir()
+        (path / "123").write_text("a note")
+    running = RunningSteps(grace=1.0, root=tmp_path)
+    assert not dead.exists()
+    assert alive.exists() and elsewhere.exists() and running.directory.parent == tmp_path
+    assert running.directory.name.startswith(f"asyncflow-worker-{host}-{os.getpid()}-")
