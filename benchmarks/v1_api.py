@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.check_alive()
         # Each API process's counts reach /metrics with its next heartbeat; the hold phase outlasts one.
         exposition = httpx.get(url + "/metrics").text
-        results["create_task"]["per_transaction"] = intake_batch_mean(exposition, "create_task")
+        for name in calls:
+            results[name]["per_batch"] = intake_batch_mean(exposition, name)
     except SetupError as exc:
         log(f"setup failed: {exc}")
         return 3
@@ -252,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
               f"latency p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; "
               f"CPU per call: api {r['api_cpu_ms']:.2f} ms, PostgreSQL {r['pg_cpu_ms']:.2f} ms   "
               f"[seed 000, MySQL, 2c4g, quoted: {SEED[name]} QPS]")
-    per_transaction = results["create_task"].get("per_transaction")
-    if per_transaction is not None:
-        print(f"create_task calls stored per transaction (coalesced by the API): {per_transaction:.1f} on average")
+    for name, what in (("create_task", "stored per transaction"), ("hold_tasks", "served per claim")):
+        per_batch = results[name].get("per_batch")
+        if per_batch is not None:
+            print(f"{name} calls {what} (coalesced by the API): {per_batch:.1f} on average")
     return 0 if all(r["errors"] == 0 for r in results.values()) else 1
 
 

@@ -362,6 +362,10 @@ def v1_routes(runtime: Runtime) -> APIRouter:
     creates: Coalescer[NewPullTask, tuple[PullTask, bool]] = Coalescer(
         "create_task", lambda batch: service().create_each(batch), MAX_BATCH
     )
+    # Concurrent holds of a type share one claim (PullService.hold_each).
+    holds: Coalescer[tuple[str, bool], list[PullTask]] = Coalescer(
+        "hold_tasks", lambda batch: service().hold_each(batch), MAX_BATCH
+    )
 
     @router.post("/create_task", **_documented(CreatedAnswer, CreateTask))
     async def create_task(request: Request) -> Response:
@@ -421,14 +425,15 @@ def v1_routes(runtime: Runtime) -> APIRouter:
     @router.post("/hold_tasks", **_documented(HeldAnswer, HoldTasks))
     async def hold_tasks(request: Request) -> Response:
         who = request_caller(request)
-        def call(body: HoldTasks) -> dict[str, Any]:
+        try:
+            body = await _parse(request, HoldTasks)
             admin(who)
-            held = [task_json(t) for t in service().hold(body.task_type, body.heartbeat)]
-            if body.heartbeat:
-                return ok(task_list=held, heartbeat_timeout=service().heartbeat_timeout)
-            return ok(task_list=held)
-
-        return await _post(request, HoldTasks, call)
+            held = [task_json(t) for t in await holds((body.task_type, body.heartbeat))]
+        except Exception as exc:
+            return _json(_failed(exc))
+        if body.heartbeat:
+            return _json(ok(task_list=held, heartbeat_timeout=service().heartbeat_timeout))
+        return _json(ok(task_list=held))
 
     @router.post("/set_task", **_documented(Answer, SetTask))
     async def set_task(request: Request) -> Response:

@@ -65,7 +65,7 @@ V1_LEASE_EXPIRIES = Counter(
 # stored in one transaction (a second one only when an id repeats in the batch).
 INTAKE_BATCH = Histogram(
     "asyncflow_api_intake_batch_size",
-    "Concurrent submits or create_task calls stored together, by call",
+    "Concurrent submits, create_task or hold_tasks calls served together, by call",
     ["call"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1000),
 )

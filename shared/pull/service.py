@@ -178,19 +178,50 @@ class PullService:
         """Lease pending tasks of ``task_type``; with ``heartbeat`` the worker promises a
         set_task with status 2 at least every third of ``heartbeat_timeout`` while it works,
         and a lease whose reports stop ends after ``heartbeat_timeout``."""
+        return self._hold(task_type, heartbeat, 1)[0]
+
+    def hold_each(self, batch: Sequence[tuple[str, bool]]) -> list[list[PullTask] | Exception]:
+        """Concurrent hold_tasks calls (the API's, coalesced), each a (task_type, heartbeat).
+
+        Each is answered as :meth:`hold` would answer it, as if the calls came one
+        after another, those of one type and heartbeat together in their order: they
+        share one claim of as many tasks as their limits add up to, handed out oldest
+        first. A call whose claim failed gets the error; the others keep their tasks.
+        """
+        answers: list[list[PullTask] | Exception] = [[] for _ in batch]
+        calls: dict[tuple[str, bool], list[int]] = {}
+        for i, call in enumerate(batch):
+            calls.setdefault(call, []).append(i)
+        for (task_type, heartbeat), at in calls.items():
+            shares: Sequence[list[PullTask] | Exception]
+            try:
+                shares = self._hold(task_type, heartbeat, len(at))
+            except Exception as exc:  # this claim's callers are told; the other claims stand
+                shares = [exc] * len(at)
+            for i, share in zip(at, shares, strict=True):
+                answers[i] = share
+        return answers
+
+    def _hold(self, task_type: str, heartbeat: bool, calls: int) -> list[list[PullTask]]:
+        """The tasks of ``calls`` consecutive holds of ``task_type``, claimed at once."""
         steps = self._flow_steps(task_type)
         timeout = self.heartbeat_timeout if heartbeat else None
         if steps is not None:
-            leased = self.store.hold(task_type, steps.types[task_type].schedule_limit, self.clock(), timeout)
+            limit = steps.types[task_type].schedule_limit
+            leased = self.store.hold(task_type, limit * calls, self.clock(), timeout)
             leased = steps.started(leased, heartbeat) if leased else []
-        else:
+        elif calls == 1:
             # schedule_limit is read by the claim itself: one statement per poll.
             leased = self.store.hold(task_type, None, self.clock(), timeout)
             if not leased:
                 self.task_type(task_type)  # an unknown type is an error, not an empty queue
+            limit = len(leased)
+        else:
+            limit = self.task_type(task_type).schedule_limit
+            leased = self.store.hold(task_type, limit * calls, self.clock(), timeout)
         if leased:
             metrics.V1_LEASED.labels(task_type).inc(len(leased))
-        return leased
+        return [leased[i * limit : (i + 1) * limit] for i in range(calls)]
 
     def set(self, task_id: str, report: Report) -> PullTask:
         task = self.get(task_id)

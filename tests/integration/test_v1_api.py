@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client import REGISTRY
 
@@ -361,6 +363,27 @@ def test_list_and_counts(v1: V1) -> None:
     counts = v1.get("get_task_counts_by_type", task_type="video")
     assert counts["task_count"] == 5 and counts["task_count_by_status"]["2"] == 5
     assert v1.get("get_task_counts_by_type", task_type="nope")["code"] == 2
+
+
+def test_holds_that_arrive_together_share_claims_and_never_a_task(v1: V1) -> None:
+    """64 hold_tasks calls at once through the API: served in batches, each task leased once."""
+    v1.register(schedule_limit=3)
+    for i in range(150):
+        v1.create(task_id=f"t{i:03}")
+    batches = REGISTRY.get_sample_value("asyncflow_api_intake_batch_size_count", {"call": "hold_tasks"}) or 0.0
+    app = create_app(v1.runtime)
+
+    async def hold_at_once() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://v1") as client:
+            calls = [client.post("/v1/hold_tasks", json={"task_type": "video"}) for _ in range(64)]
+            return [answer.json() for answer in await asyncio.gather(*calls)]
+
+    answers = asyncio.run(hold_at_once())
+    assert all(a["code"] == 0 and len(a["task_list"]) <= 3 for a in answers), answers
+    held = Counter(t["task_id"] for a in answers for t in a["task_list"])
+    assert len(held) == 150 and max(held.values()) == 1
+    served = REGISTRY.get_sample_value("asyncflow_api_intake_batch_size_count", {"call": "hold_tasks"}) or 0.0
+    assert 0 < served - batches < 64  # some calls waited for a claim in progress and shared the next
 
 
 def test_concurrent_holders_never_share_a_task(sql_store: SqlStore, tmp_path: Path) -> None:

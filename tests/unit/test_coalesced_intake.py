@@ -246,3 +246,62 @@ def test_the_first_transactions_error_is_every_submissions() -> None:
     with pytest.raises(StorageUnavailable):
         svc.submit_each([Submission("g", {}, task_id="a"), Submission("g", {}, task_id="a")])
     assert not publisher.messages
+
+
+def pull_service() -> PullService:
+    """Types video (two tasks a hold) and audio (one), with five video tasks and two audio ones, oldest first."""
+    store = InMemoryPullStore()
+    store.save_type(TaskType(task_type="video", schedule_limit=2), 1.0)
+    store.save_type(TaskType(task_type="audio", schedule_limit=1), 1.0)
+    clock = ManualClock(50.0)
+    svc = PullService(store, clock=clock)
+    for task_id in ("v0", "v1", "a0", "v2", "v3", "a1", "v4"):
+        svc.create("video" if task_id[0] == "v" else "audio", "{}", task_id=task_id)
+        clock.advance(1)
+    return svc
+
+
+HOLDS = [("video", False), ("audio", False), ("video", False), ("nope", False), ("video", True), ("video", False)]
+
+
+def test_hold_each_answers_every_call_as_consecutive_holds_would() -> None:
+    one_by_one = pull_service()
+    alone: list[Any] = []
+    for task_type, heartbeat in HOLDS:
+        try:
+            alone.append([t.task_id for t in one_by_one.hold(task_type, heartbeat)])
+        except UnknownTaskType as exc:
+            alone.append(type(exc))
+    assert alone == [["v0", "v1"], ["a0"], ["v2", "v3"], UnknownTaskType, ["v4"], []]
+
+    together = pull_service()
+    claims: list[tuple[str, int | None]] = []
+    hold = together.store.hold
+
+    def counted(task_type: str, limit: int | None, now: float, heartbeat_timeout: float | None = None) -> Any:
+        claims.append((task_type, limit))
+        return hold(task_type, limit, now, heartbeat_timeout)
+
+    together.store.hold = counted  # type: ignore[method-assign]
+    answers = together.hold_each(HOLDS)
+    # As if one after another, those of one type and heartbeat together: the three plain
+    # video holds share a claim of their limits added up, and come before the heartbeat one.
+    assert [[t.task_id for t in a] if isinstance(a, list) else type(a) for a in answers] == [
+        ["v0", "v1"], ["a0"], ["v2", "v3"], UnknownTaskType, [], ["v4"],
+    ]
+    assert claims == [("video", 6), ("audio", None), ("nope", None), ("video", None)]
+
+
+def test_hold_each_tells_a_failed_claims_callers_only() -> None:
+    svc = pull_service()
+    hold = svc.store.hold
+
+    def audio_down(task_type: str, limit: int | None, now: float, heartbeat_timeout: float | None = None) -> Any:
+        if task_type == "audio":
+            raise StorageUnavailable("database unavailable: gone")
+        return hold(task_type, limit, now, heartbeat_timeout)
+
+    svc.store.hold = audio_down  # type: ignore[method-assign]
+    answers = svc.hold_each([("audio", False), ("video", False), ("audio", False), ("video", False)])
+    assert isinstance(answers[0], StorageUnavailable) and answers[2] is answers[0]
+    assert [[t.task_id for t in a] for a in (answers[1], answers[3]) if isinstance(a, list)] == [["v0", "v1"], ["v2", "v3"]]
