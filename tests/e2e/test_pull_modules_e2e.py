@@ -3,7 +3,9 @@ push-mode steps run by Celery workers, through real processes."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,12 +34,16 @@ class DnsWorker:
     def start(self) -> None:
         with open(self.output, "ab") as out:
             self.proc = subprocess.Popen(
-                [str(WORKER), self.stack.url, "dns", str(self.records)], stdout=out, stderr=subprocess.STDOUT
+                [str(WORKER), self.stack.url, "dns", str(self.records)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its subshells and curl go with it
             )
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.kill()
+            # The whole group: a curl left running would still lease a step for a worker that is gone.
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             self.proc = None
 
