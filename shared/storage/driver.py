@@ -41,9 +41,9 @@ class DriverStatement:
     """One statement compiled for the engine's dialect, and its parameters' conversions.
 
     ``prepared``: a statement whose plan does not depend on the tables' sizes (by
-    primary key, or a v1 claim in its index's order), prepared on each connection so that PostgreSQL may plan it once
-    there instead of on every execution. No other statement is prepared
-    (:func:`prepare_on_request`).
+    primary key, or a v1 claim in its index's order), prepared on each connection
+    so that PostgreSQL may plan it once there instead of on every execution. No
+    other statement is prepared (:func:`prepare_on_request`).
     """
 
     def __init__(self, statement: ClauseElement, engine: Engine, prepared: bool = False) -> None:
