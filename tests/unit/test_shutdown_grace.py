@@ -10,6 +10,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import pytest
+from billiard.exceptions import WorkerLostError
+from celery.worker.request import Request
+
 from shared.messaging import StepRequest, grace_then_stop
 from shared.task import StepMessage, StepType
 
@@ -114,3 +118,48 @@ def test_killed_processes_die_and_a_cold_shutdown_that_hangs_ends_in_an_exit() -
     assert done.returncode == 1, done.stderr
     assert "exiting now" in done.stderr
     assert time.monotonic() - started < 20
+
+
+class Ended(StepRequest):
+    """A request whose pool process ended, with what the process's note said; no Celery message behind it."""
+
+    def __init__(self, killed: str | None = None) -> None:
+        self.killed = killed
+        self.log_fields = None
+        self.consumer = Reports()  # type: ignore[assignment]
+
+    def running_step(self) -> tuple[StepMessage, str | None]:
+        return STEP, self.killed
+
+
+class Reports:
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, bool]] = []
+
+    def lost(self, step: StepMessage, why: str, timed_out: bool = False) -> None:
+        self.reports.append((why, timed_out))
+
+
+def failure(exc: BaseException) -> Any:
+    return type("ExceptionInfo", (), {"exception": exc})()
+
+
+@pytest.mark.parametrize(
+    ("given_up", "killed", "exc", "reported"),
+    [
+        (False, None, WorkerLostError("signal 9 (SIGKILL)"), [("worker process lost: signal 9 (SIGKILL)", False)]),
+        (False, "killed after the hard time limit of 2s", WorkerLostError("x"), [("killed after the hard time limit of 2s", True)]),
+        (True, None, WorkerLostError("signal 9 (SIGKILL)"), []),  # the shutdown grace reports it
+        (False, None, RuntimeError("a task error, not a lost process"), []),
+    ],
+)
+def test_a_lost_pool_process_is_reported_once_and_a_given_up_one_not_again(
+    monkeypatch: pytest.MonkeyPatch, given_up: bool, killed: str | None, exc: BaseException, reported: list[Any]
+) -> None:
+    celery_failures: list[BaseException] = []
+    monkeypatch.setattr(Request, "on_failure", lambda self, exc_info, **_: celery_failures.append(exc_info.exception))
+    request = Ended(killed)
+    request.given_up = given_up
+    request.on_failure(failure(exc))
+    assert request.consumer.reports == reported  # type: ignore[attr-defined]
+    assert celery_failures == [exc]  # Celery's own handling (the acknowledgement) runs in every case
