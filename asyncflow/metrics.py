@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from shared.config import Settings
+from shared.processes import runs
 
 
 def prepare_multiprocess(settings: Settings) -> None:
@@ -33,18 +34,8 @@ def _forget_dead(folder: Path) -> None:
     if not folder.is_dir():
         return
     for entry in folder.iterdir():
-        if entry.name.isdigit() and not _running(int(entry.name)):
+        if entry.name.isdigit() and not runs(int(entry.name)):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 def serve_multiprocess(port: int) -> None:

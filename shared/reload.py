@@ -30,6 +30,7 @@ from typing import Any
 
 from shared.config import Settings
 from shared.flows import FlowsError, parse_flows_file
+from shared.processes import runs
 from shared.runtime import Runtime
 from shared.schedules.service import InvalidSchedule
 from shared.storage import StorageUnavailable
@@ -213,12 +214,8 @@ def find_up(home: Path) -> Up | None:
 
 def _is_asyncflow(pid: int) -> bool:
     """Whether ``pid`` runs and, where /proc tells, runs asyncflow (not a process that reused the pid)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not runs(pid):
         return False
-    except PermissionError:
-        pass
     cmdline = Path(f"/proc/{pid}/cmdline")
     if not sys.platform.startswith("linux") or not cmdline.exists():
         return True

@@ -32,6 +32,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from shared.consumer import AttemptTimedOut
 from shared.module import Handler, PollLater, StepContext
+from shared.processes import runs
 from shared.records import evolve
 from shared.task import StepMessage
 
@@ -136,18 +137,8 @@ def remove_orphans(root: Path) -> None:
     prefix = _prefix()
     for path in root.glob(prefix + "*"):
         pid = path.name[len(prefix) :].partition("-")[0]
-        if pid.isdigit() and not _runs(int(pid)):
+        if pid.isdigit() and not runs(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def read_note(path: Path) -> dict[str, Any]:
