@@ -71,9 +71,17 @@ def api(host: str | None, port: int | None, workers: int | None) -> None:
 @click.argument("modules", nargs=-1, required=True)
 @click.option("--concurrency", "-c", type=int, default=None, help="Pool processes")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics of the worker and its pool")
-def worker(modules: tuple[str, ...], concurrency: int | None, metrics_port: int | None) -> None:
+@click.option(
+    "--pool",
+    type=click.Choice(["celery", "kombu"]),
+    default=None,
+    help="Celery's prefork worker, or consumer processes of Asyncflow's own (default: ASYNCFLOW_WORKER_POOL, celery)",
+)
+def worker(modules: tuple[str, ...], concurrency: int | None, metrics_port: int | None, pool: str | None) -> None:
     """Consume the queues of MODULES (e.g. `asyncflow worker resource mysql`)."""
     settings = _settings()
+    if pool is not None:
+        settings = settings.model_copy(update={"worker_pool": pool})
     port = metrics_port or settings.worker_metrics_port
     from asyncflow.metrics import prepare_multiprocess
 

@@ -16,8 +16,11 @@ from collections.abc import Callable
 from asyncflow import liveness
 from shared import heap, preflight, presence, reload
 from shared.config import Settings
+from shared.consumer import StepConsumer
 from shared.logs import setup_logging
-from shared.messaging import bound_shutdown, queue_name
+from shared.messaging import ALARM_TASK, LIMIT_MARGIN, STEP_TASK, bound_shutdown, queue_name
+from shared.messaging.consumers import ConsumerPool, StepMessages
+from shared.messaging.running import RunningSteps
 from shared.migrate import upgrade
 from shared.runtime import Runtime
 from shared.schedules.service import InvalidSchedule
@@ -57,9 +60,11 @@ def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics
 
         serve_multiprocess(metrics_port)
     runtime = Runtime(settings)
+    if settings.worker_pool == "kombu":
+        _run_consumer_pool(runtime, modules, concurrency)
+        return
     consumer = runtime.consumer(modules)
-    for module in consumer.modules.values():
-        module.start(settings)  # fail now, not on the first message
+    _start_modules(consumer)
     bound_shutdown(runtime.celery, consumer, settings.shutdown_grace)
     presence.serve_worker(runtime, modules, concurrency)  # its registry row, with its pool's metrics
     queues = ",".join(queue_name(m) for m in modules)
@@ -76,6 +81,34 @@ def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics
             "--loglevel", settings.log_level,
         ]
     )
+
+
+def _start_modules(consumer: StepConsumer) -> None:
+    for module in consumer.modules.values():
+        module.start(consumer.settings)  # fail now, not on the first message
+
+
+def _run_consumer_pool(runtime: Runtime, modules: list[str], concurrency: int) -> None:
+    """`asyncflow worker --pool kombu`: consumer processes of our own (shared.messaging.consumers)."""
+    settings = runtime.settings
+    running = RunningSteps(settings.hard_timeout_grace)
+    consumer = StepConsumer(runtime.service, runtime.load_modules(modules), settings, invoke=running.call)
+    _start_modules(consumer)
+    # The queues as Celery declares them (on RabbitMQ with x-max-priority, which a declare must repeat).
+    queues = [runtime.celery.amqp.queues[queue_name(m)] for m in modules]
+
+    def consumer_process() -> StepMessages:
+        connection = runtime.celery.connection_for_read()
+        return StepMessages(connection, queues, consumer, running, STEP_TASK, ALARM_TASK, LIMIT_MARGIN)
+
+    pool = ConsumerPool(consumer_process, consumer, running, concurrency, settings.shutdown_grace)
+    row = presence.worker_presence(runtime, modules, concurrency, pool.in_flight)
+    log.info("consuming %s with %d processes", ",".join(q.name for q in queues), concurrency)
+    try:
+        pool.run()
+    finally:
+        row.stop()
+        runtime.close()
 
 
 def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> None:

@@ -86,13 +86,18 @@ def attempts_in_flight() -> list[dict[str, Any]]:
     return sorted(running, key=lambda a: (a["started"] or 0.0, a["task_id"]))
 
 
-def worker_detail(modules: list[str], queues: list[str], concurrency: int) -> Callable[[], dict[str, Any]]:
+def worker_detail(
+    modules: list[str],
+    queues: list[str],
+    concurrency: int,
+    in_flight: Callable[[], list[dict[str, Any]]] = attempts_in_flight,
+) -> Callable[[], dict[str, Any]]:
     def detail() -> dict[str, Any]:
         return {
             "modules": modules,
             "queues": queues,
             "concurrency": concurrency,
-            "in_flight": attempts_in_flight(),
+            "in_flight": in_flight(),
             "version": version(),
         }
 
@@ -182,18 +187,25 @@ def serve_worker(runtime: Runtime, modules: list[str], concurrency: int) -> Pres
     """Keep a Celery worker's row from now until Celery's warm shutdown (a cold one leaves it to go silent)."""
     from celery.signals import worker_shutdown
 
+    presence = worker_presence(runtime, modules, concurrency, attempts_in_flight)
+    worker_shutdown.connect(lambda **_: presence.stop(), weak=False)
+    return presence
+
+
+def worker_presence(
+    runtime: Runtime, modules: list[str], concurrency: int, in_flight: Callable[[], list[dict[str, Any]]]
+) -> Presence:
+    """A worker's row, renewed from now on, with its pool's metrics and the attempts ``in_flight`` lists."""
     from shared.messaging import queue_name
 
     queues = [queue_name(m) for m in modules]
-    presence = Presence(
+    return Presence(
         runtime.process_store,
         "worker",
         runtime.settings.heartbeat_interval,
         collect=pool_metrics,
-        detail=worker_detail(modules, queues, concurrency),
+        detail=worker_detail(modules, queues, concurrency, in_flight),
     ).start()
-    worker_shutdown.connect(lambda **_: presence.stop(), weak=False)
-    return presence
 
 
 @contextmanager

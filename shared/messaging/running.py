@@ -23,6 +23,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +45,8 @@ class RunningSteps:
         remove_orphans(root)
         self.directory = Path(tempfile.mkdtemp(prefix=f"{_prefix()}{os.getpid()}-", dir=root))
         self._current: tuple[str, StepMessage] | None = None  # in a pool process
+        self._started = 0.0
+        self._deadline: float | None = None
         self._note = -1  # the pool process's note file, open for writing
         self._note_pid: int | None = None
         owner = os.getpid()
@@ -61,6 +64,22 @@ class RunningSteps:
         self._current = (delivery, message)
         if ran_on:
             self._write({})
+
+    def deliver(self, delivery: str, message: StepMessage, hard_limit: float | None) -> None:
+        """A consumer process of our own (shared.messaging.consumers) took ``message``: noted at once.
+
+        Its main process knows no delivery, so it reads every one from the note,
+        and kills the process once ``hard_limit`` seconds have passed.
+        """
+        self._current = (delivery, message)
+        self._started = time.time()
+        self._deadline = self._started + hard_limit if hard_limit else None
+        self._write({})
+
+    def finish(self) -> None:
+        """The delivery is over: the note says so, and a death from now on loses no attempt."""
+        self._current = None
+        self._write({})
 
     def call(self, handler: Handler, ctx: StepContext, timeout: float) -> Mapping[str, Any] | PollLater | None:
         """Run a handler under its attempt's time limits (the consumer's ``invoke``)."""
@@ -93,10 +112,16 @@ class RunningSteps:
 
     def _write(self, extra: dict[str, str]) -> None:
         if self._current is None:
-            return
-        delivery, message = self._current
-        # The parameters stay in the database; the report needs the step only.
-        body = json.dumps({"delivery": delivery, "message": evolve(message, parameters={}).to_payload()} | extra)
+            if self._note_pid != os.getpid():
+                return  # nothing noted in this process yet
+            body = "{}"
+        else:
+            delivery, message = self._current
+            # The parameters stay in the database; the report needs the step only.
+            note: dict[str, Any] = {"delivery": delivery, "message": evolve(message, parameters={}).to_payload()}
+            if self._started:
+                note |= {"started": self._started, "deadline": self._deadline}
+            body = json.dumps(note | extra)
         data = body.encode()
         # One write at the start of the file, which stays open: a step run on costs a
         # system call, not an open, a write, a close and a rename. The length and
@@ -120,6 +145,25 @@ class RunningSteps:
         if note.get("delivery") != delivery:
             return delivered, None  # a note of an earlier delivery of that process
         return StepMessage.from_payload(note["message"]), note.get("killed")
+
+
+    def note_of(self, pid: int) -> dict[str, Any]:
+        """What consumer process ``pid`` runs now: {} when idle, or when it never noted a step.
+
+        Keys: ``delivery``, ``message`` (a StepMessage payload), ``started`` and
+        ``deadline`` (wall clock, from :meth:`deliver`), ``killed`` (why it killed itself).
+        """
+        try:
+            return read_note(self.directory / str(pid))
+        except (OSError, ValueError):
+            return {}
+
+    def forget(self, pid: int) -> None:
+        """Remove the note of a process that is gone (its pid may be reused)."""
+        try:
+            os.unlink(self.directory / str(pid))
+        except FileNotFoundError:
+            pass
 
 
 def _prefix() -> str:

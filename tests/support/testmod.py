@@ -6,6 +6,8 @@ Parameters read (cursor = step index):
   flaky: {"cursor": n}         the normal command fails its first n attempts
   hang_at: [cursors]           the normal command blocks (its timeout must stop it)
   hang_hard_at: [cursors]      blocks and swallows the soft time limit (only a kill stops it)
+  hang_deaf_at: [cursors]      blocks with the time limit's signal blocked (only the worker's
+                               hard-limit kill from outside stops it)
   poll: {"cursor": n}          the normal command answers "poll later" n times first
   hang_first: [cursors]        blocks on the first attempt only
   fail_if_exists: {"cursor": path}  fails while that file exists
@@ -24,6 +26,7 @@ import json
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from shared.module import Module, PollLater, StepContext
@@ -53,6 +56,10 @@ def _do(ctx: StepContext) -> dict[str, Any] | PollLater:
                 threading.Event().wait()
             except BaseException:  # a handler that ignores the interrupt
                 continue
+    if ctx.cursor in p.get("hang_deaf_at", []):
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)  # as if stuck where no signal gets through
+        while True:
+            time.sleep(1)
     if ctx.cursor in p.get("hang_first", []) and ctx.attempt == 1:
         threading.Event().wait()
     signal_file = p.get("wait_for_file", {}).get(key)

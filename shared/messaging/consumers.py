@@ -1,0 +1,333 @@
+"""A worker of our own: consumer processes on kombu under a supervising process.
+
+`asyncflow worker --pool kombu`. Celery's worker receives each message in its
+main process and hands it to a pool process and the result back, which costs
+about 1.6 times the CPU of a plain kombu consumer running the same steps
+(benchmarks/README.md, "Celery's share of a worker's CPU"). Here each consumer
+process takes its messages from the broker itself and runs their steps; the
+main process only supervises:
+
+- it forks ``concurrency`` consumer processes and starts another when one dies;
+- a consumer process notes each step it runs (:class:`RunningSteps`), so when
+  one dies the main process records that attempt as lost at once, as Celery's
+  does for a pool process; and it kills one still running past its delivery's
+  hard time limit (a handler stuck where no signal reaches);
+- on SIGTERM the consumer processes stop taking messages and finish what they
+  run; after the shutdown grace the main process kills those still running and
+  records their attempts as lost, so they run again elsewhere at once.
+
+The messages are Celery's (protocol 2, as :class:`CeleryPublisher` sends them):
+a Celery worker can consume the same queues. A consumer process takes one
+message at a time (prefetch 1): a long step holds no other message back, and
+delivery priorities are honoured at each take. When a consumer process dies,
+RabbitMQ and Redis deliver its message again (dropped as stale if its attempt
+was recorded); the embedded broker keeps it hidden, and the scheduler's sweep
+publishes the step again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kombu.connection import Connection
+from kombu.entity import Queue
+from kombu.mixins import ConsumerMixin
+
+from shared.consumer import StepConsumer
+from shared.logs import AttemptFields, attempt_context
+from shared.messaging.embedded import wake_for_stop
+from shared.messaging.running import RunningSteps
+from shared.retry import reconnect_delay
+from shared.storage import StorageUnavailable
+from shared.task import Alarm, StepMessage
+
+log = logging.getLogger(__name__)
+
+# How often the main process looks for dead and overdue consumer processes.
+SUPERVISE_EVERY = 0.2
+# An alarm the command could not deliver is tried this many times more.
+ALARM_RETRIES = 5
+# A consumer process that dies sooner than this after its start is started again
+# only after a pause, doubling up to RESTART_AT_MOST: a module that crashes every
+# process at once does not make the worker fork in a loop.
+STARTED_WELL_AFTER, RESTART_AT_MOST = 5.0, 30.0
+
+
+class StepMessages(ConsumerMixin):
+    """One consumer process: takes a message at a time and runs it (kombu's consume loop, reconnecting)."""
+
+    def __init__(
+        self,
+        connection: Connection,  # not connected yet: kombu connects in the consumer process
+        queues: list[Queue],
+        consumer: StepConsumer,
+        running: RunningSteps,
+        step_task: str,
+        alarm_task: str,
+        limit_margin: float,
+    ) -> None:
+        self.connection = connection
+        self.queues = queues
+        self.consumer = consumer
+        self.running = running
+        self.step_task = step_task
+        self.alarm_task = alarm_task
+        self.limit_margin = limit_margin
+        self.continues = consumer.settings.continue_within > 0
+        self.stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Take no more messages; the one running ends first (safe in a signal handler)."""
+        self.should_stop = True  # kombu's loop checks it between messages
+        self.stopping.set()  # cuts a retry's pause short
+        wake_for_stop()
+
+    def get_consumers(self, consumer: Callable[..., Any], channel: Any) -> list[Any]:
+        return [consumer(self.queues, callbacks=[self.on_message], accept=["json"], prefetch_count=1)]
+
+    def on_message(self, body: Any, message: Any) -> None:
+        task = message.headers.get("task")
+        try:
+            args, _kwargs, _embed = body  # Celery's message protocol 2
+            if task == self.step_task:
+                step: StepMessage | Alarm = StepMessage.from_payload(args[0])
+            elif task == self.alarm_task:
+                step = Alarm(**args[0])
+            else:
+                raise ValueError(f"task {task!r} is neither a step nor an alarm")
+        except (TypeError, ValueError, IndexError, KeyError) as exc:
+            # Taken again, it would fail again: a message no worker can read is dropped.
+            log.error("unreadable message dropped: %s", exc)
+            message.ack()
+            return
+        if isinstance(step, Alarm):
+            self._alarm(step, message)
+        else:
+            self._step(step, message)
+
+    def _step(self, step: StepMessage, message: Any) -> None:
+        hard, soft = message.headers.get("timelimit") or (None, None)
+        delivery = str(message.headers.get("id") or message.delivery_tag)
+        tries = 0
+        with attempt_context(AttemptFields.of(step)):
+            while True:
+                # Next steps may run in this delivery while they end before its soft limit.
+                until = time.monotonic() + soft - self.limit_margin if self.continues and soft else None
+                self.running.deliver(delivery, step, hard)
+                try:
+                    self.consumer.handle(
+                        step,
+                        continue_until=until,
+                        on_next=lambda later: self.running.begin(delivery, later, ran_on=True),
+                    )
+                    break
+                except StorageUnavailable as exc:
+                    # Nothing ran (the start could not be recorded): the message is kept and tried again.
+                    delay = reconnect_delay(tries)
+                    tries += 1
+                    log.warning("database unavailable, step message retried in %gs: %s", delay, exc)
+                    if self.stopping.wait(delay):
+                        return  # unacknowledged: the broker delivers it again once this process is gone
+                except Exception:
+                    # What a step raises is recorded by the consumer; this is its store failing past its
+                    # patience: the sweeps take the attempt over, as after a Celery task that raised.
+                    log.exception("step message failed")
+                    break
+                finally:
+                    self.running.finish()
+        message.ack()
+
+    def _alarm(self, alarm: Alarm, message: Any) -> None:
+        command = self.consumer.settings.alert_command
+        for tries in range(ALARM_RETRIES + 1):
+            try:
+                self.consumer.alarm(alarm, command)
+                break
+            except Exception:
+                if tries == ALARM_RETRIES:
+                    log.exception("alarm not delivered after %d tries", tries + 1)
+                elif self.stopping.wait(reconnect_delay(tries)):
+                    return
+        message.ack()
+
+
+class ConsumerPool:
+    """The worker's main process: forks the consumer processes and answers for them."""
+
+    def __init__(
+        self,
+        make: Callable[[], StepMessages],
+        consumer: StepConsumer,
+        running: RunningSteps,
+        concurrency: int,
+        grace: float,
+    ) -> None:
+        self.make = make
+        self.consumer = consumer
+        self.running = running
+        self.concurrency = concurrency
+        self.grace = grace
+        self.stopping = threading.Event()
+        self.children: dict[int, float] = {}  # pid: when it started (monotonic)
+        # Why the main process killed a consumer process, and whether that is a timeout.
+        self._killed: dict[int, tuple[str, bool]] = {}
+        self._pause = 1.0
+        self._next_start = 0.0
+
+    def run(self) -> None:
+        """Until SIGTERM or SIGINT, then the bounded stop."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        while not self.stopping.is_set():
+            self._reap()
+            self._kill_overdue()
+            self._start_missing()
+            self.stopping.wait(SUPERVISE_EVERY)
+        self._stop()
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        """The attempts the consumer processes run now, for the worker's registry row."""
+        running = []
+        for pid in list(self.children):
+            note = self.running.note_of(pid)
+            if "message" not in note:
+                continue
+            message = note["message"]
+            running.append(
+                {
+                    "task_id": message["task_id"],
+                    "seq": message.get("seq"),
+                    "module": message.get("module"),
+                    "command": message.get("command"),
+                    "started": note.get("started"),
+                    "pid": pid,
+                }
+            )
+        return sorted(running, key=lambda a: (a["started"] or 0.0, a["task_id"]))
+
+    # --- consumer processes ----------------------------------------------------------
+
+    def _start_missing(self) -> None:
+        now = time.monotonic()
+        while len(self.children) < self.concurrency and now >= self._next_start:
+            pid = os.fork()
+            if pid == 0:
+                self._serve()  # never returns
+            self.children[pid] = now
+
+    def _serve(self) -> None:
+        code = 0
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the main process stops us
+            stop = threading.Event()  # a SIGTERM before the consumer exists
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            messages = self.make()
+            signal.signal(signal.SIGTERM, lambda *_: messages.stop())
+            if not stop.is_set():
+                with messages.connection:
+                    messages.run()  # type: ignore[no-untyped-call]  # kombu is untyped
+        except BaseException:
+            log.exception("consumer process failed")
+            code = 1
+        finally:
+            logging.shutdown()
+            os._exit(code)
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            started = self.children.pop(pid, None)
+            if started is None:
+                continue  # not a consumer process
+            killed = self._killed.pop(pid, None)
+            if killed is not None or os.waitstatus_to_exitcode(status) != 0 or not self.stopping.is_set():
+                self._report(pid, *(killed or (f"worker process lost: {_died(status)}", False)))
+                if time.monotonic() - started < STARTED_WELL_AFTER:
+                    self._next_start = time.monotonic() + self._pause
+                    self._pause = min(self._pause * 2, RESTART_AT_MOST)
+                else:
+                    self._pause = 1.0
+            self.running.forget(pid)
+
+    def _report(self, pid: int, reason: str, timed_out: bool) -> None:
+        """Record the attempt a dead consumer process ran as lost; nothing if it ran none."""
+        note = self.running.note_of(pid)
+        if "message" not in note:
+            log.warning("consumer process %d ended between steps: %s", pid, reason)
+            return
+        step = StepMessage.from_payload(note["message"])
+        if note.get("killed"):  # by its own hard time limit (RunningSteps.call)
+            reason, timed_out = note["killed"], True
+        with attempt_context(AttemptFields.of(step)):
+            log.error("consumer process %d ended during a step: %s", pid, reason)
+            try:
+                self.consumer.lost(step, reason, timed_out=timed_out)
+            except Exception:  # the sweep (not this hook) is the safety net
+                log.exception("could not record a lost step attempt")
+
+    def _kill_overdue(self) -> None:
+        now = time.time()
+        for pid in list(self.children):
+            if pid in self._killed:
+                continue
+            note = self.running.note_of(pid)
+            deadline = note.get("deadline")
+            if deadline is not None and now > deadline:
+                hard = deadline - note["started"]
+                self._killed[pid] = (f"killed after the hard time limit of {hard:g}s", True)
+                _kill(pid)
+
+    def _stop(self) -> None:
+        """Let running attempts end for ``grace`` seconds, then give up on those still running."""
+        for pid in self.children:
+            _signal(pid, signal.SIGTERM)
+        busy = sum("message" in self.running.note_of(pid) for pid in self.children)
+        log.info("stopping: waiting up to %gs for %d attempt(s)", self.grace, busy)
+        deadline = time.monotonic() + self.grace
+        while self.children and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.05)
+        stuck = list(self.children)
+        if not stuck:
+            return
+        for pid in stuck:
+            self._killed[pid] = (f"worker stopped; attempt unfinished after {self.grace:g}s", False)
+            _kill(pid)
+        for pid in stuck:
+            try:
+                os.waitpid(pid, 0)  # killed: ends at once
+            except ChildProcessError:
+                pass
+            self.children.pop(pid, None)
+            self._report(pid, *self._killed.pop(pid))
+            self.running.forget(pid)
+        log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(stuck))
+
+
+def _died(status: int) -> str:
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # it ended meanwhile
+
+
+def _kill(pid: int) -> None:
+    _signal(pid, signal.SIGKILL)

@@ -1,0 +1,151 @@
+"""A consumer process of the kombu pool (shared.messaging.consumers.StepMessages), message by message.
+
+The broker and the step consumer are stand-ins: what is checked is what the
+process does with each message (runs it, notes it, acknowledges it or keeps it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.messaging import ALARM_TASK, LIMIT_MARGIN, STEP_TASK
+from shared.messaging import consumers as module
+from shared.messaging.consumers import StepMessages
+from shared.messaging.running import RunningSteps
+from shared.storage import StorageUnavailable
+from shared.task import Alarm, StepMessage, StepType
+
+STEP = StepMessage("t1", "three", 1, 0, StepType.NORMAL, 1, "alpha", "step", 20.0, 0)
+
+
+class Message:
+    def __init__(self, task: str, timelimit: tuple[float, float] | None = (26.0, 25.0)) -> None:
+        self.headers = {"task": task, "id": "delivery-1", "timelimit": timelimit}
+        self.delivery_tag = 1
+        self.acks = 0
+
+    def ack(self) -> None:
+        self.acks += 1
+
+
+class Settings:
+    continue_within = 5.0
+    alert_command = "monitor.alert"
+
+
+class Consumer:
+    """Records each call; ``failures`` are raised first, one per call."""
+
+    settings = Settings()
+
+    def __init__(self, running: RunningSteps, *failures: Exception) -> None:
+        self.running = running
+        self.failures = list(failures)
+        self.handled: list[tuple[StepMessage, float | None, dict[str, Any]]] = []
+        self.alarms: list[tuple[Alarm, str]] = []
+
+    def handle(self, message: StepMessage, continue_until: float | None = None, on_next: Any = None) -> None:
+        self.handled.append((message, continue_until, self.running.note_of(_pid())))
+        if self.failures:
+            raise self.failures.pop(0)
+
+    def alarm(self, alarm: Alarm, command: str) -> None:
+        self.alarms.append((alarm, command))
+        if self.failures:
+            raise self.failures.pop(0)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> RunningSteps:
+    return RunningSteps(1.0, root=tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def no_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(module, "reconnect_delay", lambda tries: 0.0)
+
+
+def process(consumer: Consumer, running: RunningSteps) -> StepMessages:
+    return StepMessages(None, [], consumer, running, STEP_TASK, ALARM_TASK, LIMIT_MARGIN)  # type: ignore[arg-type]
+
+
+def body(payload: dict[str, Any]) -> list[Any]:
+    return [[payload], {}, {}]  # Celery's message protocol 2
+
+
+def test_a_step_runs_noted_within_its_soft_limit_and_is_acknowledged_after(running: RunningSteps) -> None:
+    consumer = Consumer(running)
+    message = Message(STEP_TASK)
+    before = time.monotonic()
+    process(consumer, running).on_message(body(STEP.to_payload()), message)
+    ((step, until, note),) = consumer.handled
+    assert step == STEP
+    assert until is not None and before + 25.0 - LIMIT_MARGIN <= until <= time.monotonic() + 25.0 - LIMIT_MARGIN
+    # Noted while it ran, with the delivery's hard limit; nothing once it is over.
+    assert note["delivery"] == "delivery-1" and note["message"]["task_id"] == "t1"
+    assert 25.9 <= note["deadline"] - note["started"] <= 26.1
+    assert running.note_of(_pid()) == {}
+    assert message.acks == 1
+
+
+def test_a_step_the_database_refused_is_kept_and_run_again(running: RunningSteps) -> None:
+    consumer = Consumer(running, StorageUnavailable("down"), StorageUnavailable("still down"))
+    message = Message(STEP_TASK)
+    process(consumer, running).on_message(body(STEP.to_payload()), message)
+    assert len(consumer.handled) == 3 and message.acks == 1
+
+
+def test_a_stop_during_the_pause_leaves_the_message_unacknowledged(running: RunningSteps) -> None:
+    consumer = Consumer(running, StorageUnavailable("down"))
+    messages = process(consumer, running)
+    messages.stop()
+    message = Message(STEP_TASK)
+    messages.on_message(body(STEP.to_payload()), message)
+    assert len(consumer.handled) == 1 and message.acks == 0  # the broker delivers it again
+    assert messages.should_stop and running.note_of(_pid()) == {}
+
+
+def test_a_step_whose_store_gave_up_is_acknowledged(running: RunningSteps) -> None:
+    consumer = Consumer(running, RuntimeError("outcome not stored after its patience"))
+    message = Message(STEP_TASK)
+    process(consumer, running).on_message(body(STEP.to_payload()), message)
+    assert message.acks == 1  # the sweeps take the attempt over
+
+
+@pytest.mark.parametrize(
+    "task, payload",
+    [
+        (STEP_TASK, {"task_id": "t1"}),  # not a whole step
+        (STEP_TASK, "not a payload"),
+        ("someone.else", STEP.to_payload()),
+        (ALARM_TASK, {"unknown": 1}),
+    ],
+)
+def test_an_unreadable_message_is_dropped(running: RunningSteps, task: str, payload: Any) -> None:
+    consumer = Consumer(running)
+    message = Message(task)
+    process(consumer, running).on_message(body(payload), message)
+    assert consumer.handled == [] and consumer.alarms == [] and message.acks == 1
+
+
+def test_an_alarm_is_tried_again_then_given_up(running: RunningSteps) -> None:
+    alarm = Alarm("t1", "three", 7, 1, "beta", "undo", "rollback failed")
+    failing = [RuntimeError("no route")] * (module.ALARM_RETRIES + 1)
+    consumer = Consumer(running, *failing)
+    message = Message(ALARM_TASK)
+    process(consumer, running).on_message(body(alarm.__dict__), message)
+    assert [a for a, _ in consumer.alarms] == [alarm] * (module.ALARM_RETRIES + 1)
+    assert message.acks == 1
+
+    consumer = Consumer(running, RuntimeError("once"))
+    process(consumer, running).on_message(body(alarm.__dict__), Message(ALARM_TASK))
+    assert consumer.alarms == [(alarm, "monitor.alert")] * 2
