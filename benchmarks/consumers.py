@@ -1,30 +1,26 @@
 #!/usr/bin/env python
-"""Celery's cost per step message, against a plain kombu consumer running the same steps.
+"""Celery's worker against Asyncflow's own consumer processes, on the same steps.
 
 Both sides consume the same queues (``asyncflow.alpha``, ``asyncflow.beta``) of a
 RabbitMQ vhost of their own, and both run each message through the same
 :class:`shared.consumer.StepConsumer` on the same PostgreSQL database:
 
   celery  ``asyncflow worker alpha beta -c 1``: Celery's consumer in the main
-          process, the step in its one prefork pool process (time limits, lost
-          processes reported, the shutdown grace)
-  kombu   ``consumers.py --serve``: one process, kombu's consumer with the same
-          prefetch, each message's steps run in the callback, under each
-          attempt's own time limits as in a pool process, and acknowledged after
+          process, the steps in its one prefork pool process
+  kombu   ``asyncflow worker alpha beta -c 1 --pool kombu``: one consumer process
+          of our own taking its messages from the broker and running them, under
+          a main process that supervises it (shared.messaging.consumers)
 
-A round starts one side's consumer, warms it up on ``--warm-up`` flows, then
+Both keep each attempt's time limits, report a killed process's attempt, bound
+their stop and retry a message the database refused.
+
+A round starts one side's worker, warms it up on ``--warm-up`` flows, then
 stores ``--flows`` three-step no-op flows in batches (``TaskService.submit_many``
 in this process: each first step published to its queue) and waits until all
-of them succeeded. The consumer's CPU per flow (all its processes, and its main
-process alone: Celery's pool process is the rest), and PostgreSQL's and
-RabbitMQ's, are read over the measured flows only. Sides
-alternate, ``--rounds`` times each, on the same database and vhost.
-
-What the kombu side lacks, a consumer of our own would have to add: a process
-that outlives a killed one and reports its lost attempt (Celery's main process),
-the backstop limits for a handler no signal reaches, a bounded shutdown, alarms
-and the retry of a message the database could not take. So its figure is the
-floor of what such a consumer could cost, not a design.
+of them succeeded. The worker's CPU per flow (all its processes, and its main
+process alone), and PostgreSQL's and RabbitMQ's, are read over the measured
+flows only. Sides alternate, ``--rounds`` times each, on the same database and
+vhost.
 
     .venv/bin/python benchmarks/consumers.py --flows 2000 --rounds 2
 """
@@ -34,10 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -50,51 +44,6 @@ sys.path.insert(0, str(REPO))
 
 FLOW = "noop"
 SIDES = ("celery", "kombu")
-# Celery's prefetch for one pool process (worker_prefetch_multiplier × concurrency).
-PREFETCH = 4
-
-
-def serve(modules: list[str]) -> None:
-    """The kombu side: consume ``modules``' queues until SIGTERM, each step run here."""
-    from shared.config import Settings
-    from shared.consumer import StepConsumer
-    from shared.logs import setup_logging
-    from shared.messaging import LIMIT_MARGIN, queue_name
-    from shared.messaging.running import RunningSteps
-    from shared.runtime import Runtime
-    from shared.task import StepMessage
-
-    settings = Settings()
-    setup_logging(settings, "worker")
-    runtime = Runtime(settings)
-    # Each attempt under its own time limits, and the step run on to noted, as in a pool process.
-    running = RunningSteps(settings.hard_timeout_grace)
-    consumer = StepConsumer(runtime.service, runtime.load_modules(modules), settings, invoke=running.call)
-    # The queues as Celery declares them (x-max-priority): declaring them otherwise is refused.
-    queues = [runtime.celery.amqp.queues[queue_name(m)] for m in modules]
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-
-    def on_message(body: Any, message: Any) -> None:
-        args, _kwargs, _embed = body  # Celery's message protocol 2
-        step = StepMessage.from_payload(args[0])
-        # As the Celery task does: further steps run here while they end before the message's soft limit.
-        soft_limit = message.headers.get("timelimit", (None, None))[1]
-        until = time.monotonic() + soft_limit - LIMIT_MARGIN if soft_limit and settings.continue_within > 0 else None
-        delivery = message.headers["id"]
-        running.begin(delivery, step, ran_on=False)
-        consumer.handle(step, continue_until=until, on_next=lambda later: running.begin(delivery, later, ran_on=True))
-        message.ack()
-
-    with runtime.celery.connection_for_read() as conn, conn.Consumer(
-        queues, callbacks=[on_message], accept=["json"], prefetch_count=PREFETCH
-    ):
-        while not stop.is_set():
-            try:
-                conn.drain_events(timeout=0.5)
-            except TimeoutError:
-                continue
-    runtime.close()
 
 
 def own_cpu(pid: int) -> float:
@@ -139,10 +88,7 @@ def wait_for(database_url: str, ids: list[str], stack: Stack, timeout: float) ->
 def run_round(side: str, backend: Any, home: Path, args: argparse.Namespace, service: Any) -> dict[str, float]:
     stack = Stack(home, backend, concurrency=1, log_level=args.log_level)
     stack.env["ASYNCFLOW_MIGRATE_ON_START"] = "false"
-    if side == "celery":
-        stack.spawn("consumer", "worker", *MODULES, "-c", "1")
-    else:
-        stack.launch("consumer", [sys.executable, __file__, "--serve", *MODULES])
+    stack.spawn("consumer", "worker", *MODULES, "-c", "1", "--pool", side)
     url = stack.env["ASYNCFLOW_DATABASE_URL"]
     try:
         wait_for(url, submit(service, args.warm_up, args.batch), stack, 120)
@@ -172,12 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds a round may take (default 600)")
     p.add_argument("--log-level", default=None, help="ASYNCFLOW_LOG_LEVEL of the consumers (default: INFO)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON too")
-    p.add_argument("--serve", nargs="+", metavar="MODULE", help=argparse.SUPPRESS)
     p.add_argument("--postgres-admin-url", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.serve:
-        serve(args.serve)
-        return 0
     args.backend, args.rabbitmq_vhost = "postgres-rabbitmq", None
     backend = make_backend(args)
     results: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}

@@ -30,11 +30,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import billiard
 from kombu.connection import Connection
 from kombu.entity import Queue
 from kombu.mixins import ConsumerMixin
@@ -174,7 +177,7 @@ class ConsumerPool:
         self.concurrency = concurrency
         self.grace = grace
         self.stopping = threading.Event()
-        self.children: dict[int, float] = {}  # pid: when it started (monotonic)
+        self.children: dict[int, Child] = {}  # by pid
         # Why the main process killed a consumer process, and whether that is a timeout.
         self._killed: dict[int, tuple[str, bool]] = {}
         self._pause = 1.0
@@ -216,44 +219,37 @@ class ConsumerPool:
     def _start_missing(self) -> None:
         now = time.monotonic()
         while len(self.children) < self.concurrency and now >= self._next_start:
-            pid = os.fork()
-            if pid == 0:
-                self._serve()  # never returns
-            self.children[pid] = now
+            # billiard's process, as Celery's pool forks them: in the child it runs the
+            # after-fork hooks that drop Celery's and kombu's broker connections of this
+            # process (a plain os.fork would share their sockets).
+            process = billiard.Process(target=self._serve, name="asyncflow-consumer")
+            process.start()
+            self.children[process.pid] = Child(process, now)
 
     def _serve(self) -> None:
-        code = 0
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the main process stops us
+        stop = threading.Event()  # a SIGTERM before the consumer exists
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the main process stops us
-            stop = threading.Event()  # a SIGTERM before the consumer exists
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
             messages = self.make()
             signal.signal(signal.SIGTERM, lambda *_: messages.stop())
             if not stop.is_set():
                 with messages.connection:
                     messages.run()  # type: ignore[no-untyped-call]  # kombu is untyped
-        except BaseException:
+        except Exception:
             log.exception("consumer process failed")
-            code = 1
-        finally:
-            logging.shutdown()
-            os._exit(code)
+            sys.exit(1)
 
     def _reap(self) -> None:
-        while self.children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            started = self.children.pop(pid, None)
-            if started is None:
-                continue  # not a consumer process
+        for pid, child in list(self.children.items()):
+            code = child.process.exitcode
+            if code is None:
+                continue
+            del self.children[pid]
             killed = self._killed.pop(pid, None)
-            if killed is not None or os.waitstatus_to_exitcode(status) != 0 or not self.stopping.is_set():
-                self._report(pid, *(killed or (f"worker process lost: {_died(status)}", False)))
-                if time.monotonic() - started < STARTED_WELL_AFTER:
+            if killed is not None or code != 0 or not self.stopping.is_set():
+                self._report(pid, *(killed or (f"worker process lost: {_died(code)}", False)))
+                if time.monotonic() - child.started < STARTED_WELL_AFTER:
                     self._next_start = time.monotonic() + self._pause
                     self._pause = min(self._pause * 2, RESTART_AT_MOST)
                 else:
@@ -286,7 +282,7 @@ class ConsumerPool:
             if deadline is not None and now > deadline:
                 hard = deadline - note["started"]
                 self._killed[pid] = (f"killed after the hard time limit of {hard:g}s", True)
-                _kill(pid)
+                _signal(pid, signal.SIGKILL)
 
     def _stop(self) -> None:
         """Let running attempts end for ``grace`` seconds, then give up on those still running."""
@@ -303,20 +299,20 @@ class ConsumerPool:
             return
         for pid in stuck:
             self._killed[pid] = (f"worker stopped; attempt unfinished after {self.grace:g}s", False)
-            _kill(pid)
-        for pid in stuck:
-            try:
-                os.waitpid(pid, 0)  # killed: ends at once
-            except ChildProcessError:
-                pass
-            self.children.pop(pid, None)
-            self._report(pid, *self._killed.pop(pid))
-            self.running.forget(pid)
+            _signal(pid, signal.SIGKILL)
+        for child in self.children.values():
+            child.process.join()  # killed: ends at once
+        self._reap()
         log.warning("shutdown grace over: %d attempt(s) given up, stopping now", len(stuck))
 
 
-def _died(status: int) -> str:
-    code = os.waitstatus_to_exitcode(status)
+@dataclass(frozen=True)
+class Child:
+    process: Any  # billiard.Process
+    started: float  # monotonic
+
+
+def _died(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with status {code}"
@@ -327,7 +323,3 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass  # it ended meanwhile
-
-
-def _kill(pid: int) -> None:
-    _signal(pid, signal.SIGKILL)

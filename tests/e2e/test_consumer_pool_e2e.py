@@ -79,7 +79,8 @@ def test_the_workers_row_lists_the_attempt_in_flight(stack: Stack, tmp_path: Pat
     release = tmp_path / "release"
     task = stack.submit("three", {"wait_for_file": {"1": str(release)}})
     settings = Settings(home=stack.home, database_url=stack.env.get("ASYNCFLOW_DATABASE_URL"))
-    store = Runtime(settings).process_store
+    runtime = Runtime(settings)
+    store = runtime.process_store
 
     def in_flight() -> list[dict] | None:
         for row in store.list(seen_since=time.time() - 30):
@@ -95,4 +96,5 @@ def test_the_workers_row_lists_the_attempt_in_flight(stack: Stack, tmp_path: Pat
         assert started(stack, task["task_id"], 1)["pid"] == attempt["pid"]
     finally:
         release.touch()
+        runtime.close()
     assert stack.wait_stopped(task["task_id"])["task_status"] == 0
