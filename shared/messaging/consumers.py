@@ -84,6 +84,14 @@ class StepMessages(ConsumerMixin):
         self.limit_margin = limit_margin
         self.continues = consumer.settings.continue_within > 0
         self.stopping = threading.Event()
+        self.parent = os.getppid()  # made in the consumer process
+
+    def on_iteration(self) -> None:  # kombu's loop, before each wait of at most a second
+        if os.getppid() != self.parent:
+            # The main process died (SIGKILL, the out-of-memory killer): nobody would report
+            # this process's attempts, and the worker started again has consumers of its own.
+            log.warning("the worker's main process is gone: this consumer process stops")
+            self.stop()
 
     def stop(self) -> None:
         """Take no more messages; the one running ends first (safe in a signal handler)."""

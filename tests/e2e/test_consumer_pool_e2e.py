@@ -22,6 +22,7 @@ from shared.testing import wait_for
 from tests.e2e.conftest import BACKENDS, open_stack
 from tests.e2e.stack import Stack
 from tests.e2e.test_faults import (  # noqa: F401 - collected again, on the kombu pool
+    BETA,
     TIMING,
     started,
     test_consumer_killed_mid_step_is_recovered_by_the_expiry_sweep,
@@ -39,6 +40,7 @@ from tests.e2e.test_saga_e2e import (  # noqa: F401 - collected again, on the ko
     test_rollback_failure_stops_raises_alarm_and_resume_retries_it,
     test_success_runs_every_step_once_and_merges_results,
 )
+from tests.e2e.test_up_supervision import alive, children_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -98,3 +100,11 @@ def test_the_workers_row_lists_the_attempt_in_flight(stack: Stack, tmp_path: Pat
         release.touch()
         runtime.close()
     assert stack.wait_stopped(task["task_id"])["task_status"] == 0
+
+
+def test_consumer_processes_stop_when_the_main_process_dies(faulty: Stack) -> None:
+    consumers = wait_for(lambda: children_of(faulty.procs[BETA].pid) or None, 30, "the consumer processes")
+    faulty.kill(BETA, group=False)  # SIGKILL to the main process alone
+    wait_for(lambda: not any(alive(pid) for pid in consumers), 30, "its consumer processes to stop")
+    faulty.respawn(BETA)
+    assert faulty.wait_stopped(faulty.submit("short", {})["task_id"])["task_status"] == 0
