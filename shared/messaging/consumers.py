@@ -112,8 +112,9 @@ class StepMessages(ConsumerMixin):
                 step = Alarm(**args[0])
             else:
                 raise ValueError(f"task {task!r} is neither a step nor an alarm")
-        except (TypeError, ValueError, IndexError, KeyError) as exc:
-            # Taken again, it would fail again: a message no worker can read is dropped.
+        except Exception as exc:
+            # Taken again, it would fail again (and a raise here would end the process, which
+            # the next one would repeat): a message no worker can read is dropped.
             log.error("unreadable message dropped: %s", exc)
             message.ack()
             return

@@ -126,6 +126,7 @@ def test_a_step_whose_store_gave_up_is_acknowledged(running: RunningSteps) -> No
     [
         (STEP_TASK, {"task_id": "t1"}),  # not a whole step
         (STEP_TASK, "not a payload"),
+        (STEP_TASK, [1, 2]),
         ("someone.else", STEP.to_payload()),
         (ALARM_TASK, {"unknown": 1}),
     ],
