@@ -18,9 +18,8 @@ from shared import heap, preflight, presence, reload
 from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.logs import setup_logging
-from shared.messaging import ALARM_TASK, LIMIT_MARGIN, STEP_TASK, bound_shutdown, queue_name
+from shared.messaging import bound_shutdown, queue_name
 from shared.messaging.consumers import ConsumerPool, StepMessages
-from shared.messaging.running import RunningSteps
 from shared.migrate import upgrade
 from shared.runtime import Runtime
 from shared.schedules.service import InvalidSchedule
@@ -91,15 +90,14 @@ def _start_modules(consumer: StepConsumer) -> None:
 def _run_consumer_pool(runtime: Runtime, modules: list[str], concurrency: int) -> None:
     """`asyncflow worker --pool kombu`: consumer processes of our own (shared.messaging.consumers)."""
     settings = runtime.settings
-    running = RunningSteps(settings.hard_timeout_grace)
-    consumer = StepConsumer(runtime.service, runtime.load_modules(modules), settings, invoke=running.call)
+    consumer, running = runtime.timed_consumer(modules)
     _start_modules(consumer)
     # The queues as Celery declares them (on RabbitMQ with x-max-priority, which a declare must repeat).
     queues = [runtime.celery.amqp.queues[queue_name(m)] for m in modules]
 
     def consumer_process() -> StepMessages:
         connection = runtime.celery.connection_for_read()
-        return StepMessages(connection, queues, consumer, running, STEP_TASK, ALARM_TASK, LIMIT_MARGIN)
+        return StepMessages(connection, queues, consumer, running)
 
     pool = ConsumerPool(consumer_process, consumer, running, concurrency, settings.shutdown_grace)
     row = presence.worker_presence(runtime, modules, concurrency, pool.in_flight)

@@ -73,24 +73,32 @@ def attempts_in_flight() -> list[dict[str, Any]]:
             continue  # an alarm delivery
         if hasattr(request, "running_step"):  # the delivery may have run on to a later step
             payload = request.running_step()[0].to_payload()
-        running.append(
-            {
-                "task_id": payload["task_id"],
-                "seq": payload.get("seq"),
-                "module": payload.get("module"),
-                "command": payload.get("command"),
-                "started": request.time_start,  # wall clock; None until a pool process took it
-                "pid": request.worker_pid,
-            }
-        )
-    return sorted(running, key=lambda a: (a["started"] or 0.0, a["task_id"]))
+        # time_start: wall clock; None until a pool process took it
+        running.append(attempt_in_flight(payload, request.time_start, request.worker_pid))
+    return oldest_first(running)
+
+
+def attempt_in_flight(payload: Mapping[str, Any], started: float | None, pid: int | None) -> dict[str, Any]:
+    """One attempt a worker runs now, as its registry row lists it: the step message's payload, and where."""
+    return {
+        "task_id": payload["task_id"],
+        "seq": payload.get("seq"),
+        "module": payload.get("module"),
+        "command": payload.get("command"),
+        "started": started,
+        "pid": pid,
+    }
+
+
+def oldest_first(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(attempts, key=lambda a: (a["started"] or 0.0, a["task_id"]))
 
 
 def worker_detail(
     modules: list[str],
     queues: list[str],
     concurrency: int,
-    in_flight: Callable[[], list[dict[str, Any]]] = attempts_in_flight,
+    in_flight: Callable[[], list[dict[str, Any]]],
 ) -> Callable[[], dict[str, Any]]:
     def detail() -> dict[str, Any]:
         return {

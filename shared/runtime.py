@@ -197,11 +197,14 @@ class Runtime:
 
     def consumer(self, names: list[str]) -> StepConsumer:
         """The step consumer of a worker serving ``names``, with its Celery tasks registered."""
-        modules = self.load_modules(names)
-        running = RunningSteps(self.settings.hard_timeout_grace)
-        consumer = StepConsumer(self.service, modules, self.settings, invoke=running.call)
+        consumer, running = self.timed_consumer(names)
         serve_steps(self.celery, consumer, running)
         return consumer
+
+    def timed_consumer(self, names: list[str]) -> tuple[StepConsumer, RunningSteps]:
+        """The step consumer of a worker serving ``names``, each attempt under its own time limits."""
+        running = RunningSteps(self.settings.hard_timeout_grace)
+        return StepConsumer(self.service, self.load_modules(names), self.settings, invoke=running.call), running
 
     def close(self) -> None:
         if "store" in self.__dict__:

@@ -44,8 +44,10 @@ from kombu.mixins import ConsumerMixin
 
 from shared.consumer import StepConsumer
 from shared.logs import AttemptFields, attempt_context
+from shared.messaging import ALARM_TASK, LIMIT_MARGIN, STEP_TASK
 from shared.messaging.embedded import wake_for_stop
 from shared.messaging.running import RunningSteps
+from shared.presence import attempt_in_flight, oldest_first
 from shared.retry import reconnect_delay
 from shared.storage import StorageUnavailable
 from shared.task import Alarm, StepMessage
@@ -71,17 +73,11 @@ class StepMessages(ConsumerMixin):
         queues: list[Queue],
         consumer: StepConsumer,
         running: RunningSteps,
-        step_task: str,
-        alarm_task: str,
-        limit_margin: float,
     ) -> None:
         self.connection = connection
         self.queues = queues
         self.consumer = consumer
         self.running = running
-        self.step_task = step_task
-        self.alarm_task = alarm_task
-        self.limit_margin = limit_margin
         self.continues = consumer.settings.continue_within > 0
         self.stopping = threading.Event()
         self.parent = os.getppid()  # made in the consumer process
@@ -106,9 +102,9 @@ class StepMessages(ConsumerMixin):
         task = message.headers.get("task")
         try:
             args, _kwargs, _embed = body  # Celery's message protocol 2
-            if task == self.step_task:
+            if task == STEP_TASK:
                 step: StepMessage | Alarm = StepMessage.from_payload(args[0])
-            elif task == self.alarm_task:
+            elif task == ALARM_TASK:
                 step = Alarm(**args[0])
             else:
                 raise ValueError(f"task {task!r} is neither a step nor an alarm")
@@ -130,7 +126,7 @@ class StepMessages(ConsumerMixin):
         with attempt_context(AttemptFields.of(step)):
             while True:
                 # Next steps may run in this delivery while they end before its soft limit.
-                until = time.monotonic() + soft - self.limit_margin if self.continues and soft else None
+                until = time.monotonic() + soft - LIMIT_MARGIN if self.continues and soft else None
                 self.running.deliver(delivery, step, hard)
                 try:
                     self.consumer.handle(
@@ -205,23 +201,10 @@ class ConsumerPool:
 
     def in_flight(self) -> list[dict[str, Any]]:
         """The attempts the consumer processes run now, for the worker's registry row."""
-        running = []
-        for pid in list(self.children):
-            note = self.running.note_of(pid)
-            if "message" not in note:
-                continue
-            message = note["message"]
-            running.append(
-                {
-                    "task_id": message["task_id"],
-                    "seq": message.get("seq"),
-                    "module": message.get("module"),
-                    "command": message.get("command"),
-                    "started": note.get("started"),
-                    "pid": pid,
-                }
-            )
-        return sorted(running, key=lambda a: (a["started"] or 0.0, a["task_id"]))
+        notes = {pid: self.running.note_of(pid) for pid in list(self.children)}
+        return oldest_first(
+            [attempt_in_flight(n["message"], n.get("started"), pid) for pid, n in notes.items() if "message" in n]
+        )
 
     # --- consumer processes ----------------------------------------------------------
 

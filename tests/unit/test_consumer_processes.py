@@ -75,7 +75,7 @@ def no_pause(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def process(consumer: Consumer, running: RunningSteps) -> StepMessages:
-    return StepMessages(None, [], consumer, running, STEP_TASK, ALARM_TASK, LIMIT_MARGIN)  # type: ignore[arg-type]
+    return StepMessages(None, [], consumer, running)  # type: ignore[arg-type]
 
 
 def body(payload: dict[str, Any]) -> list[Any]:
