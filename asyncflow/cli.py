@@ -73,9 +73,9 @@ def api(host: str | None, port: int | None, workers: int | None) -> None:
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics of the worker and its pool")
 @click.option(
     "--pool",
-    type=click.Choice(["celery", "kombu"]),
+    type=click.Choice(["kombu", "celery"]),
     default=None,
-    help="Celery's prefork worker, or consumer processes of Asyncflow's own (default: ASYNCFLOW_WORKER_POOL, celery)",
+    help="Consumer processes of Asyncflow's own, or Celery's prefork worker (default: ASYNCFLOW_WORKER_POOL, kombu)",
 )
 def worker(modules: tuple[str, ...], concurrency: int | None, metrics_port: int | None, pool: str | None) -> None:
     """Consume the queues of MODULES (e.g. `asyncflow worker resource mysql`)."""

@@ -53,14 +53,17 @@ def run_api(settings: Settings, host: str, port: int) -> None:
 
 def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics_port: int = 0) -> None:
     setup_logging(settings, "worker")
+    # A stop asked for while the kombu pool starts takes effect once it has started, as a
+    # logged stop (Celery's worker installs its own handlers, later).
+    stop = _stop_on_signals() if settings.worker_pool == "kombu" else None
     preflight.check_servers(settings)
     if metrics_port:
         from asyncflow.metrics import serve_multiprocess
 
         serve_multiprocess(metrics_port)
     runtime = Runtime(settings)
-    if settings.worker_pool == "kombu":
-        _run_consumer_pool(runtime, modules, concurrency)
+    if stop is not None:
+        _run_consumer_pool(runtime, modules, concurrency, stop)
         return
     consumer = runtime.consumer(modules)
     _start_modules(consumer)
@@ -87,8 +90,8 @@ def _start_modules(consumer: StepConsumer) -> None:
         module.start(consumer.settings)  # fail now, not on the first message
 
 
-def _run_consumer_pool(runtime: Runtime, modules: list[str], concurrency: int) -> None:
-    """`asyncflow worker --pool kombu`: consumer processes of our own (shared.messaging.consumers)."""
+def _run_consumer_pool(runtime: Runtime, modules: list[str], concurrency: int, stop: threading.Event) -> None:
+    """`asyncflow worker` (`--pool kombu`): consumer processes of our own (shared.messaging.consumers)."""
     settings = runtime.settings
     consumer, running = runtime.timed_consumer(modules)
     _start_modules(consumer)
@@ -99,7 +102,7 @@ def _run_consumer_pool(runtime: Runtime, modules: list[str], concurrency: int) -
         connection = runtime.celery.connection_for_read()
         return StepMessages(connection, queues, consumer, running)
 
-    pool = ConsumerPool(consumer_process, consumer, running, concurrency, settings.shutdown_grace)
+    pool = ConsumerPool(consumer_process, consumer, running, concurrency, settings.shutdown_grace, stop)
     row = presence.worker_presence(runtime, modules, concurrency, pool.in_flight)
     log.info("consuming %s with %d processes", ",".join(q.name for q in queues), concurrency)
     try:

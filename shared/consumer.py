@@ -310,7 +310,6 @@ class StepConsumer:
         except PermanentError as exc:
             event = Failed(message.seq, str(exc) or type(exc).__name__, permanent=True)
         except Exception as exc:  # any handler error fails the attempt
-            log.info("step attempt failed: %r", exc, extra={"task_id": message.task_id, "seq": message.seq})
             event = Failed(message.seq, f"{type(exc).__name__}: {exc}")
         else:
             elapsed = self.clock() - started
@@ -327,10 +326,11 @@ class StepConsumer:
                     f"handler returned {type(outcome).__name__}; expected a dict, None or PollLater",
                     permanent=True,
                 )
-        metrics.STEP_SECONDS.labels(message.module, message.command, type(event).__name__).observe(
-            self.clock() - started
-        )
-        metrics.STEP_ATTEMPTS.labels(message.module, message.command, metrics.outcome_of(event)).inc()
+        elapsed, label = self.clock() - started, metrics.outcome_of(event)
+        metrics.STEP_SECONDS.labels(message.module, message.command, type(event).__name__).observe(elapsed)
+        metrics.STEP_ATTEMPTS.labels(message.module, message.command, label).inc()
+        why = f": {event.error}" if isinstance(event, Failed) else ""
+        log.info("step attempt %s in %.3fs%s", label.replace("_", " "), elapsed, why, extra={"task_id": message.task_id})
         return event
 
     def _store_outcome(

@@ -1,9 +1,9 @@
 """A worker of our own: consumer processes on kombu under a supervising process.
 
-`asyncflow worker --pool kombu`. Celery's worker receives each message in its
-main process and hands it to a pool process and the result back, which costs
-about 1.6 times the CPU of a plain kombu consumer running the same steps
-(benchmarks/README.md, "Celery's share of a worker's CPU"). Here each consumer
+`asyncflow worker` (`--pool kombu`, the default). Celery's worker (`--pool
+celery`) receives each message in its main process and hands it to a pool
+process and the result back, which costs about 1.4 times the CPU per flow of
+this pool (benchmarks/README.md, "The kombu pool"). Here each consumer
 process takes its messages from the broker itself and runs their steps; the
 main process only supervises:
 
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import billiard
+from celery.utils.log import LoggingProxy
 from kombu.connection import Connection
 from kombu.entity import Queue
 from kombu.mixins import ConsumerMixin
@@ -53,6 +54,8 @@ from shared.storage import StorageUnavailable
 from shared.task import Alarm, StepMessage
 
 log = logging.getLogger(__name__)
+# What a handler prints, as log lines (Celery's pool processes do the same).
+printed = logging.getLogger("printed")
 
 # How often the main process looks for dead and overdue consumer processes.
 SUPERVISE_EVERY = 0.2
@@ -83,11 +86,17 @@ class StepMessages(ConsumerMixin):
         self.parent = os.getppid()  # made in the consumer process
 
     def on_iteration(self) -> None:  # kombu's loop, before each wait of at most a second
-        if os.getppid() != self.parent:
-            # The main process died (SIGKILL, the out-of-memory killer): nobody would report
-            # this process's attempts, and the worker started again has consumers of its own.
+        self._orphaned()
+
+    def _orphaned(self) -> bool:
+        if os.getppid() == self.parent:
+            return False
+        # The main process died (SIGKILL, the out-of-memory killer): nobody would report
+        # this process's attempts, and the worker started again has consumers of its own.
+        if not self.should_stop:
             log.warning("the worker's main process is gone: this consumer process stops")
             self.stop()
+        return True
 
     def stop(self) -> None:
         """Take no more messages; the one running ends first (safe in a signal handler)."""
@@ -99,6 +108,9 @@ class StepMessages(ConsumerMixin):
         return [consumer(self.queues, callbacks=[self.on_message], accept=["json"], prefetch_count=1)]
 
     def on_message(self, body: Any, message: Any) -> None:
+        if self._orphaned():
+            message.requeue()  # for a consumer with a main process
+            return
         task = message.headers.get("task")
         try:
             args, _kwargs, _embed = body  # Celery's message protocol 2
@@ -175,13 +187,14 @@ class ConsumerPool:
         running: RunningSteps,
         concurrency: int,
         grace: float,
+        stopping: threading.Event,
     ) -> None:
         self.make = make
         self.consumer = consumer
         self.running = running
         self.concurrency = concurrency
         self.grace = grace
-        self.stopping = threading.Event()
+        self.stopping = stopping  # set by the worker's SIGTERM and SIGINT handlers
         self.children: dict[int, Child] = {}  # by pid
         # Why the main process killed a consumer process, and whether that is a timeout.
         self._killed: dict[int, tuple[str, bool]] = {}
@@ -189,9 +202,7 @@ class ConsumerPool:
         self._next_start = 0.0
 
     def run(self) -> None:
-        """Until SIGTERM or SIGINT, then the bounded stop."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stopping.set())
+        """Until ``stopping`` is set, then the bounded stop."""
         while not self.stopping.is_set():
             self._reap()
             self._kill_overdue()
@@ -220,6 +231,7 @@ class ConsumerPool:
 
     def _serve(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the main process stops us
+        sys.stdout = sys.stderr = LoggingProxy(printed, logging.WARNING)
         stop = threading.Event()  # a SIGTERM before the consumer exists
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:

@@ -22,6 +22,7 @@ from shared.messaging.depth import queue_depths
 from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
 from tests.e2e.stack import Stack, free_port
+from tests.e2e.test_up_supervision import alive, children_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -194,7 +195,10 @@ def test_replayed_message_is_acknowledged_and_ignored(faulty: Stack) -> None:
 
 
 def _stale_count(port: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.TransportError:
+        return 0.0  # the respawned worker does not listen yet
     lines = [line for line in text.splitlines() if line.startswith('asyncflow_stale_messages_total{module="beta"}')]
     return float(lines[0].split()[-1]) if lines else 0.0
 
@@ -245,3 +249,11 @@ def _answers(stack: Stack) -> bool:
         return httpx.get(stack.url + "/healthz", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_consumer_processes_stop_when_the_main_process_dies(faulty: Stack) -> None:
+    consumers = wait_for(lambda: children_of(faulty.procs[BETA].pid) or None, 30, "the consumer processes")
+    faulty.kill(BETA, group=False)  # SIGKILL to the main process alone
+    wait_for(lambda: not any(alive(pid) for pid in consumers), 30, "its consumer processes to stop")
+    faulty.respawn(BETA)
+    assert faulty.wait_stopped(faulty.submit("short", {})["task_id"])["task_status"] == 0

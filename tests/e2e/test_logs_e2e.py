@@ -1,7 +1,8 @@
 """JSON logs from real processes: every line of a worker's stderr is one JSON object, and
-the lines about a task's steps (ours, the module's own, Celery's "received" and
-"succeeded", from the worker and from its pool process, and the worker's report of
-a killed pool process) carry the fields of the attempt they are about."""
+the lines about a task's steps (ours, the module's own, what it prints, Celery's
+"received" and "succeeded" in Celery's pool, from the worker and from its pool
+process, and the worker's report of a killed pool process) carry the fields of the
+attempt they are about."""
 
 from __future__ import annotations
 
@@ -67,13 +68,15 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
     return parsed
 
 
-def test_worker_lines_are_json_and_carry_the_attempt(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pool", ["kombu", "celery"])
+def test_worker_lines_are_json_and_carry_the_attempt(tmp_path: Path, pool: str) -> None:
     (tmp_path / "logmod.py").write_text(MODULE)
     (tmp_path / "flows.yaml").write_text(FLOWS)
     env = {
         "ASYNCFLOW_LOG_FORMAT": "json",
         "ASYNCFLOW_FLOWS": str(tmp_path / "flows.yaml"),
         "ASYNCFLOW_ALERT_COMMAND": "",
+        "ASYNCFLOW_WORKER_POOL": pool,
     }
     stderr = tmp_path / "worker.err"
     with open_stack("embedded", tmp_path, env=env, groups=[]) as stack:
@@ -112,23 +115,31 @@ def test_worker_lines_are_json_and_carry_the_attempt(tmp_path: Path) -> None:
     # Step 1's first attempt ran in the delivery of step 0 (its module's next step):
     # no message of its own was received, and that delivery never returned. Its
     # lines, and the report of its loss, still carry its own fields.
-    assert attempts("celery.worker.strategy", "received") == ran
-    assert attempts("celery.app.trace", "succeeded") == [(1, 2, "die_once")]
     assert attempts("logmod", "working on step") == ran
-    assert attempts("celery.redirected", "printed by step") == ran
-    # The killed pool process: the worker's main process reports the attempt it ran.
-    assert attempts("celery.worker.request", "WorkerLostError") == lost
+    assert attempts("shared.consumer", "step attempt succeeded in") == ran
     assert attempts("shared.consumer", "step attempt lost") == lost
-    (error,) = [line for line in about_task if line["logger"] == "celery.worker.request"]
-    assert "WorkerLostError" in error["exception"]
-    assert any("exited with" in line["message"] for line in lines if line["logger"] == "multiprocessing")
-    # Celery's lines come from two processes: "received" from the worker's main one.
-    received = {line["pid"] for line in about_task if "received" in line["message"]}
-    succeeded = {line["pid"] for line in about_task if "succeeded" in line["message"]}
-    assert not received & succeeded
+    if pool == "kombu":
+        assert attempts("printed", "printed by step") == ran
+        # The killed consumer process: the worker's main process reports the attempt it ran.
+        assert attempts("shared.messaging.consumers", "ended during a step: worker process lost") == lost
+        (report,) = [line for line in about_task if line["logger"] == "shared.messaging.consumers"]
+        assert report["pid"] not in {line["pid"] for line in about_task if line["logger"] == "logmod"}
+        starting = [line for line in lines if line["message"].startswith("consuming ")]
+    else:
+        assert attempts("celery.worker.strategy", "received") == ran
+        assert attempts("celery.app.trace", "succeeded") == [(1, 2, "die_once")]
+        assert attempts("celery.redirected", "printed by step") == ran
+        assert attempts("celery.worker.request", "WorkerLostError") == lost
+        (error,) = [line for line in about_task if line["logger"] == "celery.worker.request"]
+        assert "WorkerLostError" in error["exception"]
+        assert any("exited with" in line["message"] for line in lines if line["logger"] == "multiprocessing")
+        # Celery's lines come from two processes: "received" from the worker's main one.
+        received = {line["pid"] for line in about_task if "received" in line["message"]}
+        succeeded = {line["pid"] for line in about_task if "succeeded" in line["message"]}
+        assert not received & succeeded
+        starting = [line for line in lines if line["message"].endswith(" ready.")]
     # Lines about no attempt carry none of its fields.
-    ready = [line for line in lines if line["message"].endswith(" ready.")]
-    assert ready and not any(key in ready[0] for key in ATTEMPT_KEYS)
+    assert starting and not any(key in starting[0] for key in ATTEMPT_KEYS)
 
     # The API and the scheduler write JSON too (stdout and stderr together).
     for key in ("api", "scheduler"):

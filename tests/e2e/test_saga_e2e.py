@@ -1,4 +1,4 @@
-"""The saga through real processes: API, scheduler and Celery workers as subprocesses.
+"""The saga through real processes: API, scheduler and workers as subprocesses.
 
 Runs on every backend of the ``stack`` fixture. What really executed is read
 from the test modules' journal, not only from the task document.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +19,8 @@ import httpx
 import pytest
 
 from shared.config import Settings
+from shared.processes import runs
+from shared.runtime import Runtime
 from shared.testing import wait_for
 from tests.e2e.stack import Stack
 
@@ -226,3 +229,48 @@ def test_killed_pool_process_counts_as_a_failed_attempt(stack: Stack) -> None:
     attempts = [a for a in doc["attempts"] if a["cursor"] == 1]
     assert attempts[0]["outcome"] == "failed" and "lost" in attempts[0]["error"]
     assert attempts[-1]["outcome"] == "succeeded" and attempts[-1]["attempt"] == 2
+
+
+def test_a_handler_no_signal_reaches_is_killed_by_the_main_process(stack: Stack) -> None:
+    # Step 2 blocks the time limit's signal: its process can neither interrupt nor kill itself.
+    task = stack.submit("three", {"hang_deaf_at": [2]})
+    entry = wait_for(
+        lambda: next((e for e in stack.executions(task["task_id"]) if e["cursor"] == 2), None), 30, "step 2 to start"
+    )
+    doc = stack.wait_stopped(task["task_id"], timeout=60)
+    assert doc["task_status"] == 4, doc
+    (attempt,) = [a for a in doc["attempts"] if a["cursor"] == 2 and a["type"] == NORMAL]
+    assert attempt["outcome"] == "timed_out", attempt  # by the expiry sweep or the kill, whichever came first
+    # Its delivery's hard limit: the step's 2 s timeout, ASYNCFLOW_CONTINUE_WITHIN (5 s) and the grace (1 s).
+    wait_for(lambda: not runs(entry["pid"]), 30, "the stuck process to be killed")
+    (alpha,) = [key for key in stack.procs if key.startswith("worker-alpha")]
+    assert "killed after the hard time limit of 8s" in stack.log(alpha, tail=None)
+    assert stack.wait_stopped(stack.submit("three")["task_id"])["task_status"] == 0
+
+
+def test_the_workers_row_lists_the_attempt_in_flight(stack: Stack, tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    task = stack.submit("three", {"wait_for_file": {"1": str(release)}})
+    settings = Settings(home=stack.home, database_url=stack.env.get("ASYNCFLOW_DATABASE_URL"))
+    runtime = Runtime(settings)
+    store = runtime.process_store
+
+    def in_flight() -> list[dict] | None:
+        for row in store.list(seen_since=time.time() - 30):
+            if row.role == "worker" and "beta" in row.detail.get("modules", []):
+                attempts = [a for a in row.detail["in_flight"] if a["task_id"] == task["task_id"]]
+                if attempts:
+                    return attempts
+        return None
+
+    try:
+        (attempt,) = wait_for(in_flight, 20, "the worker's row to list the attempt")
+        assert attempt["module"] == "beta" and attempt["command"] == "step" and attempt["started"] > 0
+        entry = wait_for(
+            lambda: next((e for e in stack.executions(task["task_id"]) if e["cursor"] == 1), None), 30, "step 1"
+        )
+        assert entry["pid"] == attempt["pid"]
+    finally:
+        release.touch()
+        runtime.close()
+    assert stack.wait_stopped(task["task_id"])["task_status"] == 0

@@ -27,10 +27,13 @@ class Message:
     def __init__(self, task: str, timelimit: tuple[float, float] | None = (26.0, 25.0)) -> None:
         self.headers = {"task": task, "id": "delivery-1", "timelimit": timelimit}
         self.delivery_tag = 1
-        self.acks = 0
+        self.acks = self.requeues = 0
 
     def ack(self) -> None:
         self.acks += 1
+
+    def requeue(self) -> None:
+        self.requeues += 1
 
 
 class Settings:
@@ -150,3 +153,13 @@ def test_an_alarm_is_tried_again_then_given_up(running: RunningSteps) -> None:
     consumer = Consumer(running, RuntimeError("once"))
     process(consumer, running).on_message(body(alarm.__dict__), Message(ALARM_TASK))
     assert consumer.alarms == [(alarm, "monitor.alert")] * 2
+
+
+def test_a_process_whose_main_process_died_hands_its_message_back_and_stops(running: RunningSteps) -> None:
+    consumer = Consumer(running)
+    messages = process(consumer, running)
+    messages.parent = -1  # as if its parent were gone: another process adopted it
+    message = Message(STEP_TASK)
+    messages.on_message(body(STEP.to_payload()), message)
+    assert consumer.handled == [] and (message.acks, message.requeues) == (0, 1)
+    assert messages.should_stop
