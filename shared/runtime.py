@@ -114,9 +114,13 @@ class Runtime:
         raise RuntimeError(f"no v1 task storage goes with {type(self.store).__name__}; pass pull_store")
 
     @cached_property
+    def broker_publisher(self) -> CeleryPublisher:
+        return CeleryPublisher(self.celery, self.settings)
+
+    @cached_property
     def service(self) -> TaskService:
         s = self.settings
-        publisher = self._publisher or CeleryPublisher(self.celery, s)
+        publisher = self._publisher or self.broker_publisher
         pull_modules = self.flows.pull_modules()
         if pull_modules:
             publisher = RoutingPublisher(publisher, StepQueue(self.pull_store, pull_modules, s.expire_grace, self.clock))
@@ -207,5 +211,7 @@ class Runtime:
         return StepConsumer(self.service, self.load_modules(names), self.settings, invoke=running.call), running
 
     def close(self) -> None:
+        if "broker_publisher" in self.__dict__:
+            self.broker_publisher.close()
         if "store" in self.__dict__:
             self.store.close()

@@ -338,6 +338,7 @@ class Confirms:
     """
 
     def __init__(self, channel: Any) -> None:
+        self.sent = 0  # the tag of the last message published
         self._answered = 0  # every tag up to this one is answered
         self._answers: dict[int, bool] = {}
         channel.confirm_select()
@@ -353,17 +354,108 @@ class Confirms:
     def acked(self, tag: int) -> bool:
         return self._answers.get(tag, False)
 
-    def wait(self, conn: Any, count: int, timeout: float) -> None:
-        """Until the first ``count`` tags are answered, or ``timeout`` seconds."""
+    def settle(self, first: int, last: int) -> list[bool]:
+        """Whether each of the tags ``first`` to ``last`` was acknowledged; forgotten then."""
+        return [self._answers.pop(tag, False) for tag in range(first, last + 1)]
+
+    def wait(self, conn: Any, count: int, timeout: float) -> bool:
+        """Until the first ``count`` tags are answered (True), or ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while self._answered < count:
             left = deadline - time.monotonic()
             if left <= 0:
-                return
+                return False
             try:
                 conn.drain_events(timeout=left)
             except TimeoutError:
-                return
+                return False
+        return True
+
+
+class ConfirmedLine:
+    """A connection to RabbitMQ that a process keeps for its batches, its channel in confirm mode.
+
+    A batch's messages are sent back to back and their confirms waited for once,
+    on a connection opened once: a connection costs about 8 ms of CPU, client and
+    broker, and a confirm waited for per message 0.45-0.85 ms (benchmarks/README.md,
+    "Coalesced intake"). One batch at a time. The connection is opened again after
+    a failure, after an idle spell long enough for the broker or a firewall to
+    have dropped it, and in a forked process (the parent's socket is not shared).
+    """
+
+    IDLE_AT_MOST = 20.0
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._producer: Any = None
+        self._confirms: Confirms | None = None
+        self._owner = 0  # the pid that opened it
+        self._used = 0.0
+
+    def publish(
+        self, messages: Sequence[StepMessage], send: Callable[[StepMessage, Any], None], timeout: float
+    ) -> tuple[list[tuple[StepMessage, Exception]], Exception | None]:
+        """Those of ``messages`` not confirmed, with why; and the error that broke the connection, if one did."""
+        with self._lock:
+            kept = self._conn is not None and self._owner == os.getpid()
+            if kept and time.monotonic() - self._used > self.IDLE_AT_MOST:
+                self._drop()
+                kept = False
+            failed, error = self._send(messages, send, timeout)
+            if error is not None and kept:
+                # Most likely the broker restarted while the connection sat here: once more, on a new one.
+                failed, error = self._send([m for m, _ in failed], send, timeout)
+            return failed, error
+
+    def _send(
+        self, messages: Sequence[StepMessage], send: Callable[[StepMessage, Any], None], timeout: float
+    ) -> tuple[list[tuple[StepMessage, Exception]], Exception | None]:
+        confirms: Confirms | None = None
+        sent = 0
+        try:
+            confirms = self._open()
+            first = confirms.sent + 1
+            for message in messages:
+                send(message, self._producer)
+                sent += 1
+                confirms.sent += 1
+            answered = confirms.wait(self._conn, confirms.sent, timeout)
+        except Exception as exc:
+            acked = confirms.settle(first, first + sent - 1) if confirms is not None and sent else []
+            self._drop()
+            acked += [False] * (len(messages) - sent)  # not sent, or sent as the connection broke
+            return [(m, exc) for m, ok in zip(messages, acked, strict=True) if not ok], exc
+        self._used = time.monotonic()
+        refused: Exception = BrokerUnavailable("RabbitMQ did not confirm the message")
+        failed = [(m, refused) for m, ok in zip(messages, confirms.settle(first, confirms.sent), strict=True) if not ok]
+        if not answered:
+            self._drop()  # answers still to come would be taken for those of the next batch
+        return failed, None
+
+    def _open(self) -> Confirms:
+        if self._conn is not None and self._owner != os.getpid():
+            self._conn = self._producer = self._confirms = None  # the parent's, inherited at a fork
+        if self._confirms is None:
+            # Without confirm_publish, a publish does not wait; confirm mode is set on the channel below.
+            self._conn = self.app.connection_for_write(transport_options={"confirm_publish": False})
+            self._owner = os.getpid()
+            self._producer = self.app.amqp.Producer(self._conn)
+            self._confirms = Confirms(self._producer.channel)
+        return self._confirms
+
+    def _drop(self) -> None:
+        conn, self._conn, self._producer, self._confirms = self._conn, None, None, None
+        if conn is not None and self._owner == os.getpid():
+            try:
+                conn.close()
+            except Exception as exc:  # it is being given up on anyway
+                log.debug("closing a publisher connection: %s", exc)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
 
 
 class CeleryPublisher:
@@ -372,12 +464,6 @@ class CeleryPublisher:
     PAUSE_AFTER_FAILURE = 2.0
     # How long a batch waits for RabbitMQ's confirms before counting the rest as failed.
     CONFIRM_TIMEOUT = 10.0
-    # From this many messages on, a batch goes on a connection of its own with its
-    # confirms waited for once. Measured on RabbitMQ 3.10 (benchmarks/README.md,
-    # "Coalesced intake"): the connection costs about 8 ms of CPU, client and broker,
-    # then saves 0.45-0.85 ms per message against a confirm per message, so it pays
-    # from somewhere between 10 and 20 messages; 20 is the cautious end.
-    OWN_CONNECTION_FROM = 20
 
     def __init__(self, app: Celery, settings: Settings) -> None:
         self.app = app
@@ -385,8 +471,10 @@ class CeleryPublisher:
         self.continue_within = settings.continue_within
         self.alert_command = settings.alert_command
         self._paused_until = 0.0
+        url = settings.resolved_broker_url()
         # Redis reads level 0 first, RabbitMQ the highest: the same order either way.
-        self._inverted = settings.resolved_broker_url().startswith(("redis", "rediss"))
+        self._inverted = url.startswith(("redis", "rediss"))
+        self._line = ConfirmedLine(app) if url.startswith(("amqp", "pyamqp")) else None
 
     def healthy(self) -> bool:
         return time.monotonic() >= self._paused_until
@@ -403,41 +491,24 @@ class CeleryPublisher:
     def publish_many(self, messages: Sequence[StepMessage]) -> list[tuple[StepMessage, Exception]]:
         """Publish ``messages``; those not known to be published are returned, with why.
 
-        Fewer than OWN_CONNECTION_FROM go one by one on the pool's connection, each
-        confirmed as it is sent. More go on a connection of their own: on RabbitMQ
-        its channel is put in confirm mode and the messages are sent back to back,
-        the confirms waited for once; those RabbitMQ did not confirm (nacked, or no
-        answer before the timeout, or the connection lost) are returned as failed.
+        On RabbitMQ they go on the process's :class:`ConfirmedLine`, sent back to
+        back and their confirms waited for once; those RabbitMQ did not confirm
+        (nacked, or no answer before the timeout, or the connection lost) are
+        returned as failed. Elsewhere they go one by one, as :meth:`publish` sends them.
         """
-        if len(messages) < self.OWN_CONNECTION_FROM:
-            # A connection of its own costs a handshake, a declare and a close: for a
-            # few messages the pool's connection, each confirmed as it is sent, is cheaper.
+        if self._line is None:
             return publish_each(self, messages)
         if not self.healthy():
             down = BrokerUnavailable("the broker failed a publish moments ago")
             return [(message, down) for message in messages]
-        confirms: Confirms | None = None
-        sent = 0
-        try:
-            # Without confirm_publish, a publish does not wait; confirm mode is set on the channel below.
-            with self.app.connection_for_write(transport_options={"confirm_publish": False}) as conn:
-                producer = self.app.amqp.Producer(conn)
-                if conn.transport.driver_type == "amqp":
-                    confirms = Confirms(producer.channel)
-                for message in messages:
-                    self._send(message, producer)
-                    sent += 1
-                if confirms is not None:
-                    confirms.wait(conn, len(messages), self.CONFIRM_TIMEOUT)
-        except Exception as exc:
+        failed, error = self._line.publish(messages, self._send, self.CONFIRM_TIMEOUT)
+        if error is not None:
             self._paused_until = time.monotonic() + self.PAUSE_AFTER_FAILURE
-            if confirms is None:  # the ones sent before the failure are on the broker
-                return [(message, exc) for message in messages[sent:]]
-            return [(message, exc) for i, message in enumerate(messages) if not confirms.acked(i + 1)]
-        if confirms is None:
-            return []
-        refused = BrokerUnavailable("RabbitMQ did not confirm the message")
-        return [(m, refused) for i, m in enumerate(messages) if not confirms.acked(i + 1)]
+        return failed
+
+    def close(self) -> None:
+        if self._line is not None:
+            self._line.close()
 
     def _send(self, message: StepMessage, producer: Any = None) -> None:
         # Limits of the delivery, which may go on with the flow's next steps: each
@@ -497,7 +568,9 @@ class CeleryPublisher:
                 priority=priority,
                 delivery_mode=self.app.conf.task_default_delivery_mode,
                 declare=[] if hash(declared) in sender.connection.declared_entities else [declared],
-                retry=True,
+                # Not on a ConfirmedLine's producer: kombu would reconnect it under the line,
+                # on a channel not in confirm mode. The line tries again itself.
+                retry=producer is None,
                 retry_policy=self.app.conf.task_publish_retry_policy,
                 # A confirm that never comes (RabbitMQ's resource alarm) fails the publish
                 # instead of holding the caller's thread: the sweep publishes it later.
