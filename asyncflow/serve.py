@@ -13,6 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from kombu import Queue
+
 from asyncflow import liveness
 from shared import heap, preflight, presence, reload
 from shared.config import Settings
@@ -97,6 +99,7 @@ def _run_consumer_pool(runtime: Runtime, modules: list[str], concurrency: int, s
     _start_modules(consumer)
     # The queues as Celery declares them (on RabbitMQ with x-max-priority, which a declare must repeat).
     queues = [runtime.celery.amqp.queues[queue_name(m)] for m in modules]
+    _declare(runtime, queues)
 
     def consumer_process() -> StepMessages:
         connection = runtime.celery.connection_for_read()
@@ -110,6 +113,21 @@ def _run_consumer_pool(runtime: Runtime, modules: list[str], concurrency: int, s
     finally:
         row.stop()
         runtime.close()
+
+
+def _declare(runtime: Runtime, queues: list[Queue]) -> None:
+    """Declare the queues once, before the consumer processes start.
+
+    Each declares them again as it connects; on the embedded broker two that
+    create the same queue's row at once race, and the loser exits.
+    """
+    try:
+        with runtime.celery.connection_for_read() as connection:
+            connection.ensure_connection(max_retries=1)
+            for queue in queues:
+                queue(connection.default_channel).declare()
+    except Exception as exc:  # the consumer processes connect, and declare, as the broker comes back
+        log.warning("could not declare the queues yet: %s", exc)
 
 
 def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> None:

@@ -142,6 +142,10 @@ class Presence:
         self._registered = False
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        # Held while the row is renewed. A fork (a worker starting a pool process) waits
+        # for it: a child forked mid-renewal would inherit the locks it held (SQLite's
+        # own, a pool's) taken for good, and block on the first of them it needs.
+        self._renewing = threading.Lock()
 
     def record(self) -> ProcessRecord:
         """This process as its row says it now, metrics fresh."""
@@ -165,6 +169,8 @@ class Presence:
         self._registered = True
 
     def start(self) -> Presence:
+        renewing = self._renewing
+        os.register_at_fork(before=renewing.acquire, after_in_parent=renewing.release, after_in_child=renewing.release)
         self._thread = threading.Thread(target=self._run, name=f"presence {self.role}", daemon=True)
         self._thread.start()
         return self
@@ -172,7 +178,8 @@ class Presence:
     def _run(self) -> None:
         while True:
             try:
-                self.beat()
+                with self._renewing:
+                    self.beat()
             except Exception:
                 log.exception("renewing this %s process's registry row failed", self.role)
             if self._stopped.wait(self.interval):

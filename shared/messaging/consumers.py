@@ -10,8 +10,8 @@ main process only supervises:
 - it forks ``concurrency`` consumer processes and starts another when one dies;
 - a consumer process notes each step it runs (:class:`RunningSteps`), so when
   one dies the main process records that attempt as lost at once, as Celery's
-  does for a pool process; and it kills one still running past its delivery's
-  hard time limit (a handler stuck where no signal reaches);
+  does for a pool process; and it kills one whose handler runs past its hard
+  time limit (stuck where no signal reaches), or whose delivery does;
 - on SIGTERM the consumer processes stop taking messages and finish what they
   run; after the shutdown grace the main process kills those still running and
   records their attempts as lost, so they run again elsewhere at once.
@@ -284,8 +284,7 @@ class ConsumerPool:
             note = self.running.note_of(pid)
             deadline = note.get("deadline")
             if deadline is not None and now > deadline:
-                hard = deadline - note["started"]
-                self._killed[pid] = (f"killed after the hard time limit of {hard:g}s", True)
+                self._killed[pid] = (f"killed after the hard time limit of {note['limit']:g}s", True)
                 _signal(pid, signal.SIGKILL)
 
     def _stop(self) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from shared.messaging import ALARM_TASK, LIMIT_MARGIN, STEP_TASK
 from shared.messaging import consumers as module
+from shared.messaging import running as module_running
 from shared.messaging.consumers import StepMessages
 from shared.messaging.running import RunningSteps
 from shared.storage import StorageUnavailable
@@ -163,3 +164,28 @@ def test_a_process_whose_main_process_died_hands_its_message_back_and_stops(runn
     messages.on_message(body(STEP.to_payload()), message)
     assert consumer.handled == [] and (message.acks, message.requeues) == (0, 1)
     assert messages.should_stop
+
+
+def test_while_a_handler_runs_the_note_holds_its_own_hard_limit(running: RunningSteps) -> None:
+    # The main process kills at the note's deadline: for a handler no signal reaches, its
+    # attempt's limit (timeout + grace), not its delivery's, which may cover steps run on.
+    running.deliver("delivery-1", STEP, 26.0)
+    delivered = running.note_of(_pid())
+    seen = {}
+
+    def handler(ctx: object) -> None:
+        seen.update(running.note_of(_pid()))
+
+    before = time.time()
+    running.call(handler, None, 2.0)  # type: ignore[arg-type]
+    assert seen["limit"] == 2.0 + running.grace
+    assert before + 2.0 + running.grace + module_running.KILL_MARGIN <= seen["deadline"] <= time.time() + 4.0
+    assert running.note_of(_pid())["deadline"] == delivered["deadline"] and running.note_of(_pid())["limit"] == 26.0
+    # A step run on: the attempt in flight starts then.
+    later = StepMessage("t1", "three", 2, 1, StepType.NORMAL, 1, "alpha", "step", 20.0, 0)
+    running.begin("delivery-1", later, ran_on=True)
+    assert running.note_of(_pid())["started"] > delivered["started"]
+    assert running.note_of(_pid())["message"]["cursor"] == 1
+    # A handler whose limit lies past its delivery's: the delivery's stays.
+    running.call(lambda ctx: seen.update(running.note_of(_pid())), None, 60.0)  # type: ignore[arg-type]
+    assert seen["limit"] == 26.0

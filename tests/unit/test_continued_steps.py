@@ -250,7 +250,7 @@ def test_a_note_reads_back_whole_after_a_longer_one_and_a_cut_off_one_reads_as_n
     for cut in (len(record) - 1, len(record) // 2, 3, 0):  # the process killed while the kernel wrote
         note.write_bytes(record[:cut])
         assert running.step_of("delivery-1", os.getpid(), delivered) == (delivered, None)
-    note.write_bytes(record.replace(b'"seq": 3', b'"seq": 4'))  # new bytes ahead, old ones behind
+    note.write_bytes(record.replace(b'"seq":3', b'"seq":4'))  # new bytes ahead, old ones behind
     assert running.step_of("delivery-1", os.getpid(), delivered) == (delivered, None)
 
 
