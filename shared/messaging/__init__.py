@@ -439,7 +439,8 @@ class ConfirmedLine:
             self._conn = self._producer = self._confirms = None  # the parent's, inherited at a fork
         if self._confirms is None:
             # Without confirm_publish, a publish does not wait; confirm mode is set on the channel below.
-            self._conn = self.app.connection_for_write(transport_options={"confirm_publish": False})
+            # No retries of its own: a batch that fails is published later by the sweep.
+            self._conn = self.app.connection_for_write(transport_options={"confirm_publish": False, "max_retries": 0})
             self._owner = os.getpid()
             self._producer = self.app.amqp.Producer(self._conn)
             self._confirms = Confirms(self._producer.channel)
