@@ -171,3 +171,40 @@ def test_the_leading_scheduler_purges_rows_gone_past_retention_and_says_it_leads
     rt.scheduler.step()
     assert [r.process_id for r in rt.process_store.list()] == ["recent:2"]
     assert metrics.SCHEDULER_LEADER._value.get() == 1
+
+
+def test_a_process_forked_while_the_row_is_renewed_does_not_hang(tmp_path: Path) -> None:
+    # A worker forks its pool processes while its registry thread renews the row: a
+    # child forked mid-renewal inherited the locks it held, and blocked on one for good.
+    import os
+    import signal
+
+    from shared.config import Settings
+    from shared.migrate import upgrade
+    from shared.runtime import Runtime
+
+    settings = Settings(home=tmp_path)
+    upgrade(settings.resolved_database_url())
+    runtime = Runtime(settings)
+    store = runtime.process_store
+    presence = Presence(store, "worker", 0.0005, detail=lambda: {"modules": ["alpha"]}).start()
+    hung = 0
+    try:
+        for _ in range(40):
+            pid = os.fork()
+            if pid == 0:  # the child: what a pool process does first, or killed by the alarm
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(3)
+                code = 1
+                try:
+                    Presence(store, "worker", 1.0, process_id=f"child-{os.getpid()}").beat()
+                    metrics.STALE.labels("alpha").inc()
+                    code = 0
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            hung += not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0)
+    finally:
+        presence.stop()
+        runtime.close()
+    assert hung == 0
