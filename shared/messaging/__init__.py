@@ -351,9 +351,6 @@ class Confirms:
         while self._answered + 1 in self._answers:
             self._answered += 1
 
-    def acked(self, tag: int) -> bool:
-        return self._answers.get(tag, False)
-
     def settle(self, first: int, last: int) -> list[bool]:
         """Whether each of the tags ``first`` to ``last`` was acknowledged; forgotten then."""
         return [self._answers.pop(tag, False) for tag in range(first, last + 1)]

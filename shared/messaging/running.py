@@ -134,8 +134,7 @@ class RunningSteps:
 
     def _run(self, delivery: str, message: StepMessage) -> None:
         self._current = (delivery, message)
-        # The parameters stay in the database; the report needs the step only.
-        self._noted = {"delivery": delivery, "message": evolve(message, parameters={}).to_payload()}
+        self._noted = {}  # made at its first write: Celery's pool notes only the steps run on
 
     def _write(self, extra: dict[str, str]) -> None:
         if self._current is None:
@@ -143,6 +142,10 @@ class RunningSteps:
                 return  # nothing noted in this process yet
             data = b"{}"
         else:
+            if not self._noted:
+                delivery, message = self._current
+                # The parameters stay in the database; the report needs the step only.
+                self._noted = {"delivery": delivery, "message": evolve(message, parameters={}).to_payload()}
             note = self._noted
             if self._started:
                 note = note | {"started": self._started, "deadline": self._deadline, "limit": self._limit}
