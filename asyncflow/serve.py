@@ -22,7 +22,6 @@ from shared.consumer import StepConsumer
 from shared.logs import setup_logging
 from shared.messaging import bound_shutdown, queue_name
 from shared.messaging.consumers import ConsumerPool, StepMessages
-from shared.migrate import upgrade
 from shared.runtime import Runtime
 from shared.schedules.service import InvalidSchedule
 from shared.storage import StorageError, patiently
@@ -39,7 +38,7 @@ def run_api(settings: Settings, host: str, port: int) -> None:
     setup_logging(settings, "api")
     preflight.check_servers(settings)
     if settings.migrate_on_start:
-        upgrade(settings.resolved_database_url())
+        _migrate(settings)
     runtime = Runtime(settings)
     runtime.flows  # noqa: B018 - fail at start-up on a bad flows.yaml, not on first request
     if settings.api_workers == 1:
@@ -138,7 +137,7 @@ def run_scheduler(settings: Settings, stop: threading.Event | None = None) -> No
     setup_logging(settings, "scheduler")
     preflight.check_servers(settings)
     if settings.migrate_on_start:
-        upgrade(settings.resolved_database_url())
+        _migrate(settings)
     runtime = Runtime(settings)
     stop = stop or _stop_on_signals()
     try:
@@ -181,12 +180,20 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     return arm
 
 
+def _migrate(settings: Settings) -> None:
+    # Alembic is imported only here: a process started with migrations off (behind `up`,
+    # or ASYNCFLOW_MIGRATE_ON_START=false) does not pay for its import.
+    from shared.migrate import upgrade
+
+    upgrade(settings.resolved_database_url())
+
+
 def run_all(settings: Settings, port: int, modules: list[str]) -> int:
     """`asyncflow up`: API, scheduler and one worker for every module, supervised."""
     setup_logging(settings, "up")
     _refuse_taken_port(settings.api_host, port)  # before anything starts: a second `up` stops here
     preflight.check_servers(settings)
-    upgrade(settings.resolved_database_url())
+    _migrate(settings)
     env = dict(os.environ, ASYNCFLOW_MIGRATE_ON_START="false", ASYNCFLOW_API_PORT=str(port))
     cmd = [sys.executable, "-m", "asyncflow"]
     die_with_us = _die_with_parent(os.getpid())

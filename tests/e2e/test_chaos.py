@@ -1,4 +1,4 @@
-"""Chaos soak: a few hundred real flows while consumers are SIGKILLed, RabbitMQ is
+"""Chaos soak: two hundred real flows while consumers are SIGKILLed, RabbitMQ is
 stopped and started, and the API is killed; then an audit of every effect.
 
 The flows are the shipped create_mysql_instance (quota ledger, real instance,
@@ -31,7 +31,7 @@ from tests.e2e.stack import REPO, Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
-TASKS = 300
+TASKS = 200
 MIN_FAULTS = 15
 WORKERS = {"worker-resource": ["resource"], "worker-mysql": ["mysql"], "worker-monitor": ["monitor"]}
 # What each task asks for, and how it must end (status, steps rolled back).
@@ -114,7 +114,9 @@ class Chaos(threading.Thread):
         ctl = shutil.which("rabbitmqctl")
         try:
             while not self.stop.wait(rng.uniform(0.5, 1.5)):
-                fault = rng.choice(["worker"] * 6 + ["api"] * 2 + ["broker"])
+                # An API killed is down for the seconds its restart takes, and submits wait
+                # for it: one fault in eight, so the soak is not mostly an API outage.
+                fault = rng.choice(["worker"] * 6 + ["api"] + ["broker"])
                 if fault == "broker" and ctl and self.broker_restarts < 2:
                     subprocess.run([ctl, "stop_app"], check=True, capture_output=True, timeout=120)
                     time.sleep(3)  # the outage itself

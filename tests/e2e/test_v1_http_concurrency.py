@@ -1,4 +1,4 @@
-"""8 worker processes drain 5,000 v1 tasks through a real API process: each task leased once.
+"""8 worker processes drain 2,000 v1 tasks through a real API process: each task leased once.
 
 The integration test ``test_concurrent_holders_never_share_a_task`` races threads
 on one store in-process; this one goes through HTTP, so claims come from separate
@@ -25,7 +25,7 @@ from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 
-TASKS = 5000
+TASKS = 2000
 WORKERS = 8
 # The API process is the bottleneck (one core); more client threads only add GIL contention.
 CREATORS = 4
