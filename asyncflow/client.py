@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import httpx
+
+if TYPE_CHECKING:
+    import httpx
 
 
 class ApiError(click.ClickException):
@@ -40,12 +42,18 @@ class ApiClient:
     ) -> None:
         """``api_key`` (``$ASYNCFLOW_API_KEY``) is sent as ``Authorization: Bearer <key>``."""
         self.base_url = base_url
+        # httpx is imported here, not with the module: the server commands (`asyncflow
+        # api`, `worker`, `scheduler`) load the CLI but never call the API (~170 ms of start-up).
+        import httpx
+
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=base_url, timeout=30, headers=headers, transport=transport)
         self.last_status = 0  # of the latest answer (201 created / 200 already there)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         """The JSON answer (None for an empty one); raises :class:`ApiError` on an error status."""
+        import httpx
+
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:

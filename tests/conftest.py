@@ -6,10 +6,14 @@ under CI (CI=true) they fail instead, so a green CI run means they ran.
 
 from __future__ import annotations
 
+import compileall
 import os
 import socket
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -36,6 +40,17 @@ def require_service(name: str, problem: str | None) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{message} (CI=true: real-service tests must run)")
     pytest.skip(message)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Byte-compile the project once for the hundreds of processes the tests start.
+
+    Where PYTHONDONTWRITEBYTECODE is set (as on some CI machines) no process
+    leaves its bytecode behind, and each one started compiled the project's
+    sources again: about 0.4 s of CPU per API, worker or scheduler started.
+    """
+    for package in ("asyncflow", "shared", "oss_api", "modules", "tests/support"):
+        compileall.compile_dir(REPO / package, quiet=1)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
