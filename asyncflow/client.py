@@ -43,7 +43,8 @@ class ApiClient:
         """``api_key`` (``$ASYNCFLOW_API_KEY``) is sent as ``Authorization: Bearer <key>``."""
         self.base_url = base_url
         # httpx is imported here, not with the module: the server commands (`asyncflow
-        # api`, `worker`, `scheduler`) load the CLI but never call the API (~170 ms of start-up).
+        # api`, `worker`, `scheduler`) load the CLI but never call the API, so they start
+        # ~170 ms sooner (a worker serving `monitor` still imports it for that module).
         import httpx
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What storing several steps' transitions in one transaction would save on PostgreSQL.
+"""What storing several steps' transitions together would save on PostgreSQL.
 
 Group commit (a consumer that takes several messages and stores their outcomes
 together) is not built. This measures its ground before anyone builds it: N
@@ -8,16 +8,25 @@ together) is not built. This measures its ground before anyone builds it: N
 sends is recorded with its parameters. Those statements are then replayed, the
 same SQL with the same values, on a second database holding the same new tasks:
 
-- ``each``: one statement, one commit (autocommit), as the store runs them today;
-- ``group G``: the same transition of G flows (each flow's start, or its first
-  outcome, ...) in one transaction: one commit for G statements;
-- ``pipeline G``: the same, in psycopg's pipeline mode: one round trip as well.
+- ``each``: one statement, one round trip and one commit each (autocommit), as
+  the store runs them today;
+- ``grouped``: the same transition of G flows (each flow's start, or its first
+  outcome, ...) in one transaction, BEGIN, the G and COMMIT each a round trip:
+  one commit for the G, and two round trips more;
+- ``pipelined``: those G sent in psycopg's pipeline mode, one round trip for
+  the G; PostgreSQL runs the statements between two syncs of a pipeline as one
+  implicit transaction, so this is one commit for the G as well.
 
 A flow's own statements keep their order, so every compare-and-set matches as it
-did. The modes alternate, round by round, on the same machine; each prints the
-PostgreSQL server's CPU, this process's CPU and the wall time per transition.
+did; after each replay the tasks' versions and the attempt rows are checked
+against the recorded run's. The modes alternate, round by round, on the same
+machine; each prints per transition the PostgreSQL server's CPU (every server
+process: run it on a quiet machine), its WAL flushes, this process's CPU and
+the wall time. Autovacuum is off on the replayed tables, so that it runs in no
+round.
 
     .venv/bin/python benchmarks/group_commit.py --flows 2000 --rounds 3 --group 8
+    .venv/bin/python benchmarks/group_commit.py --flows 2000 --rounds 3 --group 4
 """
 
 from __future__ import annotations
@@ -51,8 +60,9 @@ from shared.storage import open_store  # noqa: E402
 from shared.storage.driver import DriverStatement  # noqa: E402
 from shared.testing import QueuePublisher  # noqa: E402
 
-# (sql, parameters) of one statement, and which flow it belongs to.
+# (sql, parameters) of one statement, as sent.
 Recorded = tuple[bytes, dict[str, Any]]
+MODES = ("each", "grouped", "pipelined")
 
 
 @contextmanager
@@ -73,8 +83,8 @@ def recording(statements: set[int]) -> Iterator[list[Recorded]]:
         DriverStatement.run = run  # type: ignore[method-assign]
 
 
-def record_flows(url: str, flows: int) -> tuple[list[dict[str, Any]], list[list[Recorded]]]:
-    """Run ``flows`` flows; the new task rows, and each flow's transition statements in order."""
+def record_flows(url: str, flows: int) -> tuple[list[dict[str, Any]], list[list[Recorded]], tuple[int, int]]:
+    """Run ``flows`` flows: the new task rows, each flow's transition statements in order, and the end state."""
     upgrade(url)
     settings = Settings(home=Path("."), database_url=url)
     store = open_store(url)
@@ -94,7 +104,22 @@ def record_flows(url: str, flows: int) -> tuple[list[dict[str, Any]], list[list[
             consumer.handle(message, continue_until=time.monotonic() + 3600)
             by_flow[message.task_id].extend(sent[before:])
     store.close()
-    return [dict(zip(names, row, strict=True)) for row in rows], [by_flow[i] for i in ids]
+    with psycopg.connect(plain) as conn:
+        end = state(conn)
+    return [dict(zip(names, row, strict=True)) for row in rows], [by_flow[i] for i in ids], end
+
+
+def state(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    """The sum of the tasks' versions and the number of attempt rows: equal after equal transitions."""
+    row = conn.execute("SELECT (SELECT sum(version) FROM af_tasks), (SELECT count(*) FROM af_attempts)").fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def wal_syncs(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def reset(conn: psycopg.Connection[Any], rows: list[dict[str, Any]]) -> None:
@@ -109,32 +134,33 @@ def reset(conn: psycopg.Connection[Any], rows: list[dict[str, Any]]) -> None:
 
 
 def replay(conn: psycopg.Connection[Any], flows: list[list[Recorded]], mode: str, group: int) -> dict[str, float]:
-    """Send every flow's statements: per step index, ``group`` flows at a time."""
+    """Send every flow's statements: per step index, ``group`` flows at a time in ``mode``."""
     steps = max(len(f) for f in flows)
     count = sum(len(f) for f in flows)
+    size = 1 if mode == "each" else group
+    in_transaction = mode == "grouped"
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    syncs = wal_syncs(conn)
     cpu, wall, server = time.process_time(), time.perf_counter(), servers_cpu()["postgresql"]
     with conn.cursor() as cur:
         for step in range(steps):
             batch = [f[step] for f in flows if step < len(f)]
-            size = 1 if mode == "each" else group
             for first in range(0, len(batch), size):
-                chunk = batch[first : first + size]
-                transaction = conn.transaction() if size > 1 else nullcontext()
-                pipeline = conn.pipeline() if mode == "pipeline" else nullcontext()
-                with transaction, pipeline:
-                    for sql, params in chunk:
+                with conn.pipeline() if mode == "pipelined" else nullcontext():
+                    if in_transaction:
+                        cur.execute(b"BEGIN")
+                    for sql, params in batch[first : first + size]:
                         cur.execute(sql, params, prepare=True)
-                        if mode != "pipeline":
-                            matched = cur.fetchone()
-                            assert matched is not None and next(iter(matched)) == 1, "a transition did not match"
-    server_s = servers_cpu()["postgresql"] - server
-    per = 1e6 / count
-    return {
-        "postgresql_cpu_us": round(server_s * per, 1),
-        "client_cpu_us": round((time.process_time() - cpu) * per, 1),
-        "wall_us": round((time.perf_counter() - wall) * per, 1),
-        "statements": count,
+                    if in_transaction:
+                        cur.execute(b"COMMIT")
+    figures = {
+        "postgresql_cpu_us": servers_cpu()["postgresql"] - server,
+        "client_cpu_us": time.process_time() - cpu,
+        "wall_us": time.perf_counter() - wall,
     }
+    time.sleep(0.6)  # the statistics of the server's WAL are flushed at most every 500 ms
+    figures = {k: round(v * 1e6 / count, 1) for k, v in figures.items()}
+    return figures | {"wal_syncs": round((wal_syncs(conn) - syncs) / count, 3), "statements": count}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,30 +173,31 @@ def main(argv: list[str] | None = None) -> int:
     recorded, replayed = Backend("postgres"), Backend("postgres")
     setup_postgres(recorded, args.postgres_admin_url)
     setup_postgres(replayed, args.postgres_admin_url)
-    modes = ["each", "group", "pipeline"]
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     try:
-        rows, flows = record_flows(recorded.env["ASYNCFLOW_DATABASE_URL"], args.flows)
+        rows, flows, end = record_flows(recorded.env["ASYNCFLOW_DATABASE_URL"], args.flows)
         url = replayed.env["ASYNCFLOW_DATABASE_URL"]
         upgrade(url)
         with psycopg.connect(url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+            for table in ("af_tasks", "af_attempts"):
+                conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
             for _ in range(args.rounds):
-                for mode in modes:
+                for mode in MODES:
                     reset(conn, rows)
                     time.sleep(0.5)  # the VACUUM's own work out of the way
                     results[mode].append(replay(conn, flows, mode, args.group))
+                    if state(conn) != end:
+                        raise SystemExit(f"{mode}: the replay did not store what the run did ({state(conn)} != {end})")
     finally:
         recorded.cleanup()
         replayed.cleanup()
-    summary = {
-        m: {k: statistics.median(r[k] for r in rs) for k in ("postgresql_cpu_us", "client_cpu_us", "wall_us")}
-        for m, rs in results.items()
-    }
+    keys = ("postgresql_cpu_us", "client_cpu_us", "wall_us", "wal_syncs")
+    summary = {m: {k: statistics.median(r[k] for r in rs) for k in keys} for m, rs in results.items()}
+    labels = {"each": "one commit each", "grouped": f"{args.group} in a transaction", "pipelined": f"{args.group} pipelined"}
     for mode, figures in summary.items():
-        label = "each (autocommit)" if mode == "each" else f"{mode} of {args.group}"
-        print(f"{label:<22} per transition: PostgreSQL {figures['postgresql_cpu_us']:7.1f} µs CPU, "
-              f"this process {figures['client_cpu_us']:6.1f} µs CPU, wall {figures['wall_us']:7.1f} µs "
-              f"(rounds: {[r['postgresql_cpu_us'] for r in results[mode]]})")
+        print(f"{labels[mode]:<28} per transition: PostgreSQL {figures['postgresql_cpu_us']:6.1f} µs CPU "
+              f"{figures['wal_syncs']:.3f} WAL flushes, this process {figures['client_cpu_us']:6.1f} µs CPU, "
+              f"wall {figures['wall_us']:6.1f} µs (PostgreSQL by round: {[r['postgresql_cpu_us'] for r in results[mode]]})")
     statements = results["each"][0]["statements"]
     result = {"flows": args.flows, "transitions": statements, "group": args.group, "median": summary,
               "rounds": results, "versions": recorded.versions, "machine": machine_info()}

@@ -151,6 +151,8 @@ def test_chaos_soak_every_accepted_task_ends_and_the_ledger_balances(
     stop.set()
     chaotic.join(timeout=180)
     assert chaotic.error is None, chaotic.error
+    assert chaotic.kills["api"] >= 1, chaotic.kills  # every kind of fault happened
+    assert chaotic.broker_restarts >= 1 or shutil.which("rabbitmqctl") is None
     for key in [*WORKERS, "api"]:  # everything is running again
         assert chaos.procs[key].poll() is None, chaos.log(key)
     chaos.wait_healthy(60)  # the last fault may have been an API kill: it is listening again

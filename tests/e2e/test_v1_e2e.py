@@ -18,6 +18,7 @@ from tests.e2e.stack import REPO, Stack
 pytestmark = pytest.mark.e2e
 
 WORKER = REPO / "examples" / "curl_worker.sh"
+TASKS = 30
 
 
 @pytest.fixture(scope="module", params=["embedded", "postgres-rabbitmq"])
@@ -39,12 +40,13 @@ def v1(stack: Stack, path: str, body: dict | None = None) -> dict:
 
 def test_two_curl_workers_drain_the_tasks_each_exactly_once(v1_stack: Stack) -> None:
     assert v1(v1_stack, "register_task_type", {"task_type_data": {"task_type": "checksum", "schedule_limit": 5}})["code"] == 0
-    contents = {f"payload {i} " + "x" * i: None for i in range(30)}
+    contents = {f"payload {i} " + "x" * i: None for i in range(TASKS)}
     ids = {}
     for content in contents:
         answer = v1(v1_stack, "create_task", {"task_data": {"task_type": "checksum", "task_content": content}})
         assert answer["code"] == 0, answer
         ids[answer["task_id"]] = content
+    assert len(ids) == TASKS  # a distinct id for each
     workers = [
         subprocess.Popen([str(WORKER), v1_stack.url, "checksum", "5"], stdout=subprocess.PIPE, text=True)
         for _ in range(2)
@@ -58,4 +60,4 @@ def test_two_curl_workers_drain_the_tasks_each_exactly_once(v1_stack: Stack) -> 
         assert data["status"] == 3
         assert data["task_content"] == hashlib.sha256(content.encode()).hexdigest()
     counts = v1(v1_stack, "get_task_counts_by_type?task_type=checksum")
-    assert counts["task_count"] == len(ids) and counts["task_count_by_status"]["3"] == len(ids)
+    assert counts["task_count"] == TASKS and counts["task_count_by_status"]["3"] == TASKS
