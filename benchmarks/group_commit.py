@@ -44,21 +44,12 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from stack import REPO, SUPPORT, Backend, machine_info, servers_cpu, setup_postgres  # noqa: E402
-
-sys.path[:0] = [str(SUPPORT), str(REPO)]
-
 import psycopg  # noqa: E402
-import testmod  # noqa: E402
+from stack import Backend, machine_info, servers_cpu, setup_postgres  # noqa: E402
+from step_path import in_process  # noqa: E402  (it puts the project on sys.path)
 
-from shared.config import Settings  # noqa: E402
-from shared.consumer import StepConsumer  # noqa: E402
-from shared.flows import load_flows  # noqa: E402
 from shared.migrate import upgrade  # noqa: E402
-from shared.service import TaskService, timing_of  # noqa: E402
-from shared.storage import open_store  # noqa: E402
 from shared.storage.driver import DriverStatement  # noqa: E402
-from shared.testing import QueuePublisher  # noqa: E402
 
 # (sql, parameters) of one statement, as sent.
 Recorded = tuple[bytes, dict[str, Any]]
@@ -85,12 +76,7 @@ def recording(statements: set[int]) -> Iterator[list[Recorded]]:
 
 def record_flows(url: str, flows: int) -> tuple[list[dict[str, Any]], list[list[Recorded]], tuple[int, int]]:
     """Run ``flows`` flows: the new task rows, each flow's transition statements in order, and the end state."""
-    upgrade(url)
-    settings = Settings(home=Path("."), database_url=url)
-    store = open_store(url)
-    publisher = QueuePublisher()
-    service = TaskService(store, publisher, load_flows(SUPPORT / "flows.yaml"), timing=timing_of(settings))
-    consumer = StepConsumer(service, {"alpha": testmod.alpha, "beta": testmod.beta}, settings)
+    store, publisher, service, consumer = in_process(url)
     ids = [service.submit("noop", {})[0].task_id for _ in range(flows)]
     plain = url.replace("postgresql+psycopg", "postgresql")
     with psycopg.connect(plain) as conn:
@@ -117,6 +103,9 @@ def state(conn: psycopg.Connection[Any]) -> tuple[int, int]:
 
 
 def wal_syncs(conn: psycopg.Connection[Any]) -> int:
+    # A backend reports its statistics at most once a second: this one's are flushed
+    # as the first statement ends, so the second reads them whole.
+    conn.execute("SELECT pg_stat_force_next_flush()")
     row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
     assert row is not None
     return int(row[0])
@@ -139,7 +128,6 @@ def replay(conn: psycopg.Connection[Any], flows: list[list[Recorded]], mode: str
     count = sum(len(f) for f in flows)
     size = 1 if mode == "each" else group
     in_transaction = mode == "grouped"
-    conn.execute("SELECT pg_stat_force_next_flush()")
     syncs = wal_syncs(conn)
     cpu, wall, server = time.process_time(), time.perf_counter(), servers_cpu()["postgresql"]
     with conn.cursor() as cur:
@@ -158,7 +146,6 @@ def replay(conn: psycopg.Connection[Any], flows: list[list[Recorded]], mode: str
         "client_cpu_us": time.process_time() - cpu,
         "wall_us": time.perf_counter() - wall,
     }
-    time.sleep(0.6)  # the statistics of the server's WAL are flushed at most every 500 ms
     figures = {k: round(v * 1e6 / count, 1) for k, v in figures.items()}
     return figures | {"wal_syncs": round((wal_syncs(conn) - syncs) / count, 3), "statements": count}
 

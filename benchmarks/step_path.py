@@ -46,7 +46,7 @@ from shared.flows import load_flows  # noqa: E402
 from shared.migrate import upgrade  # noqa: E402
 from shared.service import TaskService, timing_of  # noqa: E402
 from shared.states import TaskStatus  # noqa: E402
-from shared.storage import open_store  # noqa: E402
+from shared.storage import SqlStore, open_store  # noqa: E402
 from shared.testing import QueuePublisher  # noqa: E402
 
 WARM_UP = 50
@@ -61,12 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_postgres(backend, args.postgres_admin_url)
     try:
         url = backend.env["ASYNCFLOW_DATABASE_URL"]
-        upgrade(url)
-        settings = Settings(home=Path("."), database_url=url)
-        store = open_store(url)
-        publisher = QueuePublisher()
-        service = TaskService(store, publisher, load_flows(SUPPORT / "flows.yaml"), timing=timing_of(settings))
-        consumer = StepConsumer(service, {"alpha": testmod.alpha, "beta": testmod.beta}, settings)
+        store, publisher, service, consumer = in_process(url)
 
         def run(flows: int) -> dict[str, float]:
             """Submit ``flows`` flows, then run them; CPU and wall ms per flow of each phase."""
@@ -103,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{figures['task_updates']} task-row updates of which {figures['task_updates_hot']} HOT")
     print("RESULT " + json.dumps(result))
     return 0
+
+
+def in_process(url: str) -> tuple[SqlStore, QueuePublisher, TaskService, StepConsumer]:
+    """The store, a publisher keeping the messages, the service and the consumer, on a migrated ``url``."""
+    upgrade(url)
+    settings = Settings(home=Path("."), database_url=url)
+    store = open_store(url)
+    publisher = QueuePublisher()
+    service = TaskService(store, publisher, load_flows(SUPPORT / "flows.yaml"), timing=timing_of(settings))
+    return store, publisher, service, StepConsumer(service, {"alpha": testmod.alpha, "beta": testmod.beta}, settings)
 
 
 def database_counters(url: str) -> dict[str, float]:

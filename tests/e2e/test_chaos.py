@@ -108,25 +108,25 @@ class Chaos(threading.Thread):
         self.broker_restarts = 0
         self.last_fault = time.monotonic()
         self.error: BaseException | None = None
+        self.ctl = shutil.which("rabbitmqctl")  # None: no broker restarts here
 
     def enough(self) -> bool:
         """MIN_FAULTS, among them an API kill and, where rabbitmqctl is, a broker restart."""
-        restarted = self.broker_restarts > 0 or shutil.which("rabbitmqctl") is None
+        restarted = self.broker_restarts > 0 or self.ctl is None
         faults = sum(self.kills.values()) + self.broker_restarts
         return faults >= MIN_FAULTS and self.kills["api"] > 0 and restarted
 
     def run(self) -> None:
         rng = random.Random(7)
-        ctl = shutil.which("rabbitmqctl")
         try:
             while not self.stop.wait(rng.uniform(0.5, 1.5)):
                 # An API killed is down for the seconds its restart takes, and submits wait
                 # for it: one fault in eight, so the soak is not mostly an API outage.
                 fault = rng.choice(["worker"] * 6 + ["api"] + ["broker"])
-                if fault == "broker" and ctl and self.broker_restarts < 2:
-                    subprocess.run([ctl, "stop_app"], check=True, capture_output=True, timeout=120)
+                if fault == "broker" and self.ctl and self.broker_restarts < 2:
+                    subprocess.run([self.ctl, "stop_app"], check=True, capture_output=True, timeout=120)
                     time.sleep(3)  # the outage itself
-                    subprocess.run([ctl, "start_app"], check=True, capture_output=True, timeout=120)
+                    subprocess.run([self.ctl, "start_app"], check=True, capture_output=True, timeout=120)
                     self.broker_restarts += 1
                 else:
                     key = "api" if fault == "api" else rng.choice(list(WORKERS))
