@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import compileall
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -60,5 +61,44 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Fault tests stop shared services (RabbitMQ, PostgreSQL): run them last."""
+    """Every test a node id of its own; fault tests last.
+
+    Schemathesis names a test per API operation, but under pytest 9.2 they all
+    get the test function's node id, and pytest-xdist tells tests apart by node
+    id: with ``-n`` one operation ran and the other thirty were dropped without a
+    word. The check after the renaming turns any such case into an error.
+    """
+    for item in items:
+        label = getattr(item, "operation_label", None)  # a schemathesis test
+        node_id = getattr(item, "_id", None)  # pytest's own, private: no public setter
+        if label and getattr(node_id, "params", "") is None:
+            item._id = node_id.with_params(label)
+    seen: set[str] = set()
+    twice = {item.nodeid for item in items if item.nodeid in seen or seen.add(item.nodeid)}
+    if twice:
+        raise pytest.UsageError(f"tests with the same node id (-n would run one of each): {sorted(twice)}")
+    # Fault tests stop and kill what other tests use.
     items.sort(key=lambda item: item.get_closest_marker("faults") is not None)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that stops a shared server never runs beside others.
+
+    With ``-n`` (pytest-xdist) the README runs ``-m 'not outage'`` in two
+    processes, then the outage tests alone: RabbitMQ or PostgreSQL stopped under
+    the other process's tests would fail them.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER") and item.get_closest_marker("outage"):
+        pytest.fail(
+            "this test stops RabbitMQ or PostgreSQL under the other tests: run it without -n "
+            "(pytest -n 2 -m 'not outage' && pytest -m outage)",
+            pytrace=False,
+        )
+
+
+def redis_db() -> int:
+    """A Redis database (1-15) for a stack; parallel test processes draw from apart shares."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    share = [db for db in range(1, 16) if db % count == index % count]
+    return random.choice(share)

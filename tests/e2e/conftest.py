@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_service, unreachable
+from tests.conftest import redis_db, require_service, unreachable
 from tests.e2e.stack import Stack, unique
 from tests.integration.conftest import postgres_admin
 
@@ -130,7 +129,7 @@ def open_stack(
             cleanups.append(lambda: _drop_vhost(vhost))
         else:
             require_service("Redis", unreachable(6379))
-            url = f"redis://127.0.0.1:6379/{random.randint(1, 15)}"
+            url = f"redis://127.0.0.1:6379/{redis_db()}"
         full_env["ASYNCFLOW_BROKER_URL"] = url
         if full_env.get("ASYNCFLOW_MYSQL_ADMIN_URL") == "database":
             full_env["ASYNCFLOW_MYSQL_ADMIN_URL"] = db.url

@@ -29,7 +29,7 @@ from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
 from tests.e2e.stack import REPO, Stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.outage]
 
 TASKS = 200
 MIN_FAULTS = 15

@@ -21,7 +21,7 @@ from tests.e2e.conftest import open_stack
 from tests.e2e.stack import Stack
 from tests.e2e.test_faults import BETA, TIMING, runs_of, started
 
-pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.outage]
 
 
 @pytest.fixture(scope="module")
