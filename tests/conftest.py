@@ -10,6 +10,7 @@ import compileall
 import os
 import random
 import socket
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -73,10 +74,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         node_id = getattr(item, "_id", None)  # pytest's own, private: no public setter
         if label and getattr(node_id, "params", "") is None:
             item._id = node_id.with_params(label)
-    seen: set[str] = set()
-    twice = {item.nodeid for item in items if item.nodeid in seen or seen.add(item.nodeid)}
+    twice = sorted(node_id for node_id, n in Counter(item.nodeid for item in items).items() if n > 1)
     if twice:
-        raise pytest.UsageError(f"tests with the same node id (-n would run one of each): {sorted(twice)}")
+        raise pytest.UsageError(f"tests with the same node id (-n would run one of each): {twice}")
     # Fault tests stop and kill what other tests use.
     items.sort(key=lambda item: item.get_closest_marker("faults") is not None)
 
