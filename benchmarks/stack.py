@@ -124,15 +124,17 @@ SERVERS = {"postgres": "postgresql", "beam.smp": "rabbitmq", "redis-server": "re
 
 
 def servers_cpu() -> dict[str, float]:
-    """CPU seconds (user+system) of the live PostgreSQL, RabbitMQ and Redis processes.
+    """CPU seconds (user+system) of the PostgreSQL, RabbitMQ and Redis processes, reaped ones included.
 
-    A difference of two readings misses processes that ended in between (a closed
-    database connection's backend): a lower bound.
+    A backend that ends (its connection closed) is reaped by the postmaster, whose
+    cutime and cstime then hold its CPU: with them the sum never goes back, and a
+    difference of two readings counts the backends that ended in between (without
+    them it went negative when a busy backend ended).
     """
     total = dict.fromkeys(SERVERS.values(), 0.0)
     for name, fields in _proc_stats():
         if name in SERVERS:
-            total[SERVERS[name]] += (int(fields[11]) + int(fields[12])) / CLK_TCK
+            total[SERVERS[name]] += sum(int(x) for x in fields[11:15]) / CLK_TCK
     return total
 
 
