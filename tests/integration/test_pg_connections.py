@@ -227,7 +227,12 @@ def test_a_store_dropped_without_closing_takes_its_engine_and_connections_with_i
     kept_backend(store)
     engine = weakref.ref(store.engine)
     del store
-    gc.collect()
+    # A pass that runs finalizers (an unclosed connection's warns, and under -W error raises
+    # inside its __del__) may leave their cycle to the next pass: a few passes, not one.
+    for _ in range(3):
+        gc.collect()
+        if engine() is None:
+            break
     assert engine() is None
 
 
