@@ -141,12 +141,12 @@ def replay(conn: psycopg.Connection[Any], flows: list[list[Recorded]], mode: str
                         cur.execute(sql, params, prepare=True)
                     if in_transaction:
                         cur.execute(b"COMMIT")
-    figures = {
+    seconds = {
         "postgresql_cpu_us": servers_cpu()["postgresql"] - server,
         "client_cpu_us": time.process_time() - cpu,
         "wall_us": time.perf_counter() - wall,
     }
-    figures = {k: round(v * 1e6 / count, 1) for k, v in figures.items()}
+    figures = {k: round(v * 1e6 / count, 1) for k, v in seconds.items()}
     return figures | {"wal_syncs": round((wal_syncs(conn) - syncs) / count, 3), "statements": count}
 
 

@@ -71,9 +71,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """
     for item in items:
         label = getattr(item, "operation_label", None)  # a schemathesis test
-        node_id = getattr(item, "_id", None)  # pytest's own, private: no public setter
-        if label and getattr(node_id, "params", "") is None:
-            item._id = node_id.with_params(label)
+        if label and item._id.params is None:  # pytest's own node id, private: no public setter
+            item._id = item._id.with_params(label)
     twice = sorted(node_id for node_id, n in Counter(item.nodeid for item in items).items() if n > 1)
     if twice:
         raise pytest.UsageError(f"tests with the same node id (-n would run one of each): {twice}")
