@@ -30,6 +30,7 @@ from shared.saga import PollLater as PollLaterEvent
 from shared.service import TaskNotFound, TaskService, run_on
 from shared.states import Phase, StepType
 from shared.storage import StorageUnavailable, patiently
+from shared.storage.codec import task_from_row
 from shared.task import Alarm, StepMessage, Task
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,8 @@ class StepConsumer:
         """Run one attempt, then the flow's next steps this worker serves while they fit.
 
         A delivered attempt costs a read, the write of its start and the write of
-        its outcome. With ``settings.record_start_after`` > 0 the start is written
+        its outcome; the first step of a task just submitted carries the task as
+        stored and needs no read. With ``settings.record_start_after`` > 0 the start is written
         with the outcome instead, unless the attempt outlives that threshold: from
         then on the scheduler expires it at its deadline instead of publishing the
         message again, and the task shows it running.
@@ -238,7 +240,7 @@ class StepConsumer:
             task = known  # its start was stored with the outcome of the step before
         else:
             try:
-                task = self.service.get(message.task_id)
+                task = self._task(message)
             except TaskNotFound:
                 log.warning("step message for an unknown task dropped", extra=log_extra)
                 return None
@@ -279,6 +281,17 @@ class StepConsumer:
             return None
         metrics.CONTINUED.labels(following.module).inc()
         return evolve(following, sent_at=time.time()), stored.task
+
+    def _task(self, message: StepMessage) -> Task:
+        """The task ``message`` is about, to decide the attempt's start on.
+
+        The copy the message carries if its start is to be written before the
+        handler runs: that write's compare-and-set proves the copy current, or
+        fails and decides again on the task read then. Otherwise the task is read.
+        """
+        if message.known is not None and self.settings.record_start_after <= 0:
+            return task_from_row(message.known)
+        return self.service.get(message.task_id)
 
     def _attempt(
         self, message: StepMessage, task: Task, progress_sink: Callable[[Mapping[str, Any]], None] | None = None

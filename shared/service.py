@@ -44,7 +44,8 @@ from shared.saga import (
 )
 from shared.states import Phase, StepType
 from shared.storage import AttemptRecord, TaskEvent, TaskFilter, TaskStore
-from shared.storage.base import all_stored, create_each
+from shared.storage.base import CREATED_VERSION, all_stored, create_each
+from shared.storage.codec import task_fields
 from shared.task import Alarm, StepMessage, Task, new_task
 from shared.transition import compare_and_set
 
@@ -235,13 +236,18 @@ class TaskService:
     def dispatch(self, decisions: Sequence[Decision]) -> None:
         """Publish the first messages of tasks :meth:`prepare` made, once they are stored.
 
-        Published together (:meth:`Publisher.publish_many`): on RabbitMQ a large
-        batch waits once for the broker's confirms, not once per message.
+        Each carries the task as stored (``StepMessage.known``): its consumer needs
+        no read before the step's start. Published together
+        (:meth:`Publisher.publish_many`): on RabbitMQ a large batch waits once for
+        the broker's confirms, not once per message.
         """
+        messages = []
         for decision in decisions:
             metrics.SUBMITTED.labels(decision.task.flow).inc()
             log.info("task submitted", extra={"task_id": decision.task.task_id, "flow": decision.task.flow})
-        for message, exc in self.publisher.publish_many([m for d in decisions for m in d.messages]):
+            stored = task_fields(evolve(decision.task, version=CREATED_VERSION))
+            messages += [evolve(m, known=stored) for m in decision.messages]
+        for message, exc in self.publisher.publish_many(messages):
             self._publish_failed(message, exc)
 
     # --- transitions ---------------------------------------------------------

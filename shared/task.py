@@ -120,6 +120,11 @@ class StepMessage:
     # Wall-clock time of its publish (set by the publisher, not by the saga): the
     # queue wait metric. Not part of what the message is, so not compared.
     sent_at: float | None = field(default=None, compare=False)
+    # The task as its publisher stored it (shared.storage.codec.task_fields), on the
+    # first step of a task just submitted: the consumer decides the step's start on
+    # it instead of reading the task, and the start's compare-and-set proves it
+    # current. Not part of what the message is either.
+    known: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def continues(self) -> bool:
@@ -140,7 +145,9 @@ class StepMessage:
             "retry": self.retry,
             "parameters": dict(self.parameters),
             "priority": self.priority,
-        } | ({"sent_at": self.sent_at} if self.sent_at is not None else {})
+        } | ({"sent_at": self.sent_at} if self.sent_at is not None else {}) | (
+            {"known": self.known} if self.known is not None else {}
+        )
 
     @classmethod
     def from_payload(cls, data: Mapping[str, Any]) -> StepMessage:
@@ -158,6 +165,7 @@ class StepMessage:
             parameters=dict(data.get("parameters") or {}),
             priority=int(data.get("priority") or 0),
             sent_at=float(data["sent_at"]) if data.get("sent_at") is not None else None,
+            known=data.get("known"),
         )
 
 

@@ -144,8 +144,8 @@ class RunningSteps:
         else:
             if not self._noted:
                 delivery, message = self._current
-                # The parameters stay in the database; the report needs the step only.
-                self._noted = {"delivery": delivery, "message": evolve(message, parameters={}).to_payload()}
+                # The parameters and the task stay in the database; the report needs the step only.
+                self._noted = {"delivery": delivery, "message": evolve(message, parameters={}, known=None).to_payload()}
             note = self._noted
             if self._started:
                 note = note | {"started": self._started, "deadline": self._deadline, "limit": self._limit}

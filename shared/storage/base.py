@@ -184,12 +184,17 @@ def matches_parameter(parameters: Mapping[str, Any], wanted: tuple[tuple[str, ..
     return False
 
 
+# The version a task is created at: a publisher may send the task as stored with
+# its first message (StepMessage.known) without reading it back.
+CREATED_VERSION = 1
+
+
 class TaskStore(abc.ABC):
     """The only owner of task storage: every transition goes through :meth:`save`."""
 
     @abc.abstractmethod
     def create(self, task: Task, now: float) -> tuple[Task, bool]:
-        """Insert ``task``; on an existing id return (stored task, False).
+        """Insert ``task`` at :data:`CREATED_VERSION`; on an existing id return (stored task, False).
 
         Raises :class:`TaskConflict` when the stored task has another flow or user.
         """
@@ -218,7 +223,9 @@ class TaskStore(abc.ABC):
     ) -> bool:
         """Store ``task`` if the stored version still equals ``task.version``.
 
-        Returns False when another transition got there first (nothing written).
+        And if it was created when ``task`` was (``created_at``): a copy of a task
+        since deleted does not overwrite a new task that reuses its id. Returns
+        False when another transition got there first (nothing written).
         ``attempt`` is written in the same transaction, as its ``write`` says:
         inserted, or its outcome or heartbeat updating the attempt already stored.
         ``next_attempt``, the start of the step the same worker runs next, is
@@ -302,7 +309,7 @@ def batch_created(
     answer: list[Stored[Created]] = []
     for task in batch:
         if task.task_id in inserted:
-            answer.append((evolve(task, version=1), True))
+            answer.append((evolve(task, version=CREATED_VERSION), True))
             continue
         old = stored.get(task.task_id)
         if old is None or not same(old, task):

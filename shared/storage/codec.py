@@ -97,6 +97,11 @@ def step_from_json(data: dict[str, Any]) -> Step:
 
 
 def task_to_row(task: Task, now: float) -> dict[str, Any]:
+    return task_fields(task) | {"updated_at": now}
+
+
+def task_fields(task: Task) -> dict[str, Any]:
+    """The task's row but for when it was written: what :func:`task_from_row` reads back."""
     active = task.active
     return {
         "task_id": task.task_id,
@@ -111,7 +116,6 @@ def task_to_row(task: Task, now: float) -> dict[str, Any]:
         "created_at": task.created_at,
         "started_at": task.started_at,
         "ended_at": task.ended_at,
-        "updated_at": now,
         "cancel_requested": task.cancel_requested,
         "seq": task.seq,
         "active_seq": active.seq if active else None,

@@ -18,6 +18,7 @@ from shared.schedules.model import Run, Schedule
 from shared.schedules.timetable import wake_at
 from shared.states import Phase, TaskStatus
 from shared.storage.base import (
+    CREATED_VERSION,
     AttemptRecord,
     Created,
     Firing,
@@ -70,7 +71,7 @@ class InMemoryStore(TaskStore):
                 if not same_request(stored, task):
                     raise TaskConflict(f"task id {task.task_id!r} is already used")
                 return stored, False
-            self._tasks[task.task_id] = evolve(task, version=1)
+            self._tasks[task.task_id] = evolve(task, version=CREATED_VERSION)
             return self._tasks[task.task_id], True
 
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
@@ -90,7 +91,7 @@ class InMemoryStore(TaskStore):
     ) -> bool:
         with self._lock:
             stored = self._tasks.get(task.task_id)
-            if stored is None or stored.version != task.version:
+            if stored is None or (stored.version, stored.created_at) != (task.version, task.created_at):
                 return False
             self._tasks[task.task_id] = evolve(task, version=task.version + 1)
             if event is not None:
@@ -272,7 +273,7 @@ class InMemoryPullStore(PullStore):
         with self._lock:
             stored = self._tasks.get(task.task_id)
             if stored is None:
-                self._tasks[task.task_id] = evolve(task, version=1)
+                self._tasks[task.task_id] = evolve(task, version=CREATED_VERSION)
             elif stored.status is not PullStatus.PENDING:
                 self._tasks[task.task_id] = evolve(
                     task, create_time=stored.create_time, version=stored.version + 1

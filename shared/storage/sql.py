@@ -36,6 +36,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from shared.sqlite import read_only_options, sqlite_engine
 from shared.states import Phase, StepType, TaskStatus
 from shared.storage.base import (
+    CREATED_VERSION,
     AttemptRecord,
     Cursor,
     StatusCounts,
@@ -125,7 +126,7 @@ class SqlStore(TaskStore):
         metadata.create_all(self.engine)
 
     def create(self, task: Task, now: float) -> tuple[Task, bool]:
-        row = task_to_row(task, now) | {"version": 1}
+        row = task_to_row(task, now) | {"version": CREATED_VERSION}
         try:
             with self.transaction() as conn:
                 conn.execute(CREATE_TASK, row)
@@ -134,7 +135,7 @@ class SqlStore(TaskStore):
             return self._existing(task)
 
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
-        rows = [task_to_row(task, now) | {"version": 1} for task in batch]
+        rows = [task_to_row(task, now) | {"version": CREATED_VERSION} for task in batch]
         rows.sort(key=by_id)
         with self.transaction() as conn:
             inserted = set(conn.execute(CREATE_NEW_TASKS[self.engine.dialect.name], rows).scalars())
@@ -355,10 +356,10 @@ def _cursor_of(task: Task) -> Cursor:
 
 
 def _saved(task: Task, now: float) -> dict[str, Any]:
-    """Parameters of SAVE_TASK: the new row, fenced by the version it was decided on."""
+    """Parameters of SAVE_TASK: the new row, fenced by the version it was decided on (TaskStore.save)."""
     row = task_to_row(task, now) | {"version": task.version + 1}
     params = {"t_" + name: row[name] for name in SAVED_COLUMNS}
-    params.update(b_task_id=task.task_id, b_version=task.version)
+    params.update(b_task_id=task.task_id, b_version=task.version, b_created_at=task.created_at)
     return params
 
 
@@ -429,7 +430,7 @@ class PostgresStore(SqlStore):
         super().close()
 
     def create(self, task: Task, now: float) -> tuple[Task, bool]:
-        row = task_to_row(task, now) | {"version": 1}
+        row = task_to_row(task, now) | {"version": CREATED_VERSION}
         try:
             with autocommit_cursor(self.connections) as cursor:
                 self._create.run(cursor, row)
@@ -438,7 +439,7 @@ class PostgresStore(SqlStore):
             return self._existing(task)
 
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
-        rows = [task_to_row(task, now) | {"version": 1} for task in batch]
+        rows = [task_to_row(task, now) | {"version": CREATED_VERSION} for task in batch]
         rows.sort(key=by_id)
         with autocommit_cursor(self.connections) as cursor, batch_transaction(cursor, rows):
             inserted, found = insert_new(cursor, self._create_new, self._get, rows)

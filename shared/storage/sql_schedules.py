@@ -20,7 +20,7 @@ from shared.records import evolve
 from shared.schedules.model import Overlap, Policy, Run, RunState, Schedule, Target, When
 from shared.schedules.timetable import wake_at
 from shared.states import TERMINAL, TaskStatus
-from shared.storage.base import Firing, Lease, NotLeader, ScheduleStore
+from shared.storage.base import CREATED_VERSION, Firing, Lease, NotLeader, ScheduleStore
 from shared.storage.codec import task_to_row
 from shared.storage.schema import (
     attempts,
@@ -256,7 +256,7 @@ class SqlScheduleStore(ScheduleStore):
             conn.execute(insert(schedule_runs), new_runs)
         if promoted:
             conn.execute(_PROMOTE, promoted)
-        flow_tasks = [task_to_row(t, now) | {"version": 1} for f in batch for t in f.tasks]
+        flow_tasks = [task_to_row(t, now) | {"version": CREATED_VERSION} for f in batch for t in f.tasks]
         if flow_tasks:
             conn.execute(CREATE_TASK, flow_tasks)
         pulled = [create_row(t) for f in batch for t in f.pull_tasks]

@@ -34,7 +34,11 @@ CREATE_VALUES = {c.name: bindparam(c.name, type_=c.type) for c in tasks.columns}
 
 SAVE_TASK = (
     update(tasks)
-    .where(tasks.c.task_id == bindparam("b_task_id"), tasks.c.version == bindparam("b_version"))
+    .where(
+        tasks.c.task_id == bindparam("b_task_id"),
+        tasks.c.version == bindparam("b_version"),
+        tasks.c.created_at == bindparam("b_created_at"),
+    )
     .values({name: bindparam("t_" + name, type_=tasks.c[name].type) for name in SAVED_COLUMNS})
 )
 INSERT_ATTEMPT = insert(attempts).values(

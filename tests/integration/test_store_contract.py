@@ -243,6 +243,14 @@ class TestTaskStoreContract:
         assert before is not None and before.message == "winner" and before.version == 2
         assert store.attempts(task.task_id) == []
 
+    def test_save_of_a_copy_from_another_creation_of_the_id_writes_nothing(self, store: TaskStore) -> None:
+        """A first message carries its task as created; if that task was deleted and its id
+        reused since, the version alone would match the new task's, the creation time does not."""
+        old_copy = replace(submitted(created_at=NOW), version=1)
+        task, _ = store.create(submitted(created_at=NOW + 60, parameters={"Name": "new"}), NOW + 60)
+        assert store.save(replace(old_copy, status=TaskStatus.RUNNING), NOW + 61) is False
+        assert store.get(task.task_id) == task
+
     def test_save_of_an_unknown_task_writes_nothing(self, store: TaskStore) -> None:
         assert store.save(replace(submitted("ghost"), version=1), NOW) is False
         assert store.get("ghost") is None

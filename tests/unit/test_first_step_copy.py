@@ -1,0 +1,150 @@
+"""The first message of a task carries the task as stored (``StepMessage.known``).
+
+Its consumer decides the step's start on that copy instead of reading the task;
+the start's compare-and-set proves the copy current. Whatever happened to the task
+between its submit and the delivery, what is stored and what runs must be what
+the same delivery without the copy gives.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.config import Settings
+from shared.flows import load_flows
+from shared.module import Module, StepContext
+from shared.records import evolve
+from shared.saga import Cancel, PublishFailed, Retry
+from shared.service import Submission, TaskService
+from shared.storage import InMemoryStore
+from shared.storage.codec import task_from_row
+from shared.task import StepMessage, Task
+from shared.testing import Harness
+
+FLOWS = load_flows(Path(__file__).resolve().parents[1] / "support" / "flows.yaml")
+FAR = 1e9  # seconds: every step runs on in the delivery that started the flow
+
+
+class CountingStore(InMemoryStore):
+    """Counts the reads of a task by id: what a consumer does before a step it cannot start blind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def get(self, task_id: str) -> Task | None:
+        self.reads += 1
+        return super().get(task_id)
+
+
+def recording() -> tuple[dict[str, Module], list[tuple[str, int, dict[str, Any]]]]:
+    """Modules alpha and beta whose commands note what ran, on which parameters."""
+    ran: list[tuple[str, int, dict[str, Any]]] = []
+    modules = {name: Module(name) for name in ("alpha", "beta")}
+    for module in modules.values():
+
+        @module.command("step")
+        def step(ctx: StepContext) -> None:
+            ran.append(("step", ctx.cursor, dict(ctx.parameters)))
+
+        @module.command("undo")
+        def undo(ctx: StepContext) -> None:
+            ran.append(("undo", ctx.cursor, dict(ctx.parameters)))
+
+    return modules, ran
+
+
+def harness(**settings: Any) -> tuple[Harness, CountingStore, list[tuple[str, int, dict[str, Any]]]]:
+    modules, ran = recording()
+    store = CountingStore()
+    return Harness(FLOWS, modules, store=store, settings=Settings(home=Path(".t"), **settings)), store, ran
+
+
+def over_the_wire(message: StepMessage) -> StepMessage:
+    """The message as a consumer gets it from the broker: its payload through JSON."""
+    return StepMessage.from_payload(json.loads(json.dumps(message.to_payload())))
+
+
+@pytest.mark.parametrize(
+    "submit",
+    [
+        lambda service: service.submit("three", {"Name": "a"})[0],
+        lambda service: service.submit_many([Submission("three", {"Name": "a"})])[0][0],
+        lambda service: service.submit_each([Submission("three", {"Name": "a"})])[0][0],
+    ],
+    ids=["submit", "submit_many", "submit_each"],
+)
+def test_the_first_message_carries_the_task_exactly_as_stored(submit: Callable[[TaskService], Task]) -> None:
+    h, store, _ = harness()
+    task = submit(h.service)
+    (message,) = h.publisher.messages
+    assert message.known is not None
+    assert task_from_row(over_the_wire(message).known) == store.get(task.task_id) == task
+
+
+@pytest.mark.parametrize("continue_until", [None, FAR])
+def test_its_consumer_starts_the_step_without_reading_the_task(continue_until: float | None) -> None:
+    h, store, ran = harness()
+    task, _ = h.service.submit("three", {"Name": "a"})
+    store.reads = 0
+    h.consumer.handle(over_the_wire(h.publisher.messages.popleft()), continue_until=continue_until)
+    assert store.reads == 0
+    assert ran[0] == ("step", 0, {"Name": "a"})
+    h.run()  # the later steps, published or run on
+    stored = h.service.get(task.task_id)
+    assert stored.status.label == "success"
+    assert [r[:2] for r in ran] == [("step", 0), ("step", 1), ("step", 2)]
+    # The next messages carry no copy: the task as stored is read for them, or known from the write before.
+    assert all(m.known is None for m in h.delivered)
+
+
+def test_a_step_started_only_with_its_outcome_reads_the_task_first() -> None:
+    """Without a write before the handler runs, nothing would prove the copy current."""
+    h, store, ran = harness(record_start_after=1.0)
+    h.service.submit("three", {"Name": "a"})
+    store.reads = 0
+    h.consumer.handle(over_the_wire(h.publisher.messages.popleft()))
+    assert store.reads == 1
+    assert ran == [("step", 0, {"Name": "a"})]
+
+
+def nothing(service: TaskService, task_id: str) -> None:
+    pass
+
+
+def cancelled(service: TaskService, task_id: str) -> None:
+    service.operate(task_id, Cancel())
+
+
+def cancelled_then_retried_with_other_parameters(service: TaskService, task_id: str) -> None:
+    service.operate(task_id, Cancel())
+    service.operate(task_id, Retry({"Name": "corrected"}))
+
+
+def publish_failed(service: TaskService, task_id: str) -> None:
+    service.apply(task_id, PublishFailed(1))  # a write that leaves the step as it was: only the version moves
+
+
+@pytest.mark.parametrize(
+    "meanwhile", [nothing, cancelled, cancelled_then_retried_with_other_parameters, publish_failed]
+)
+@pytest.mark.parametrize("continue_until", [None, FAR])
+def test_whatever_happened_since_the_submit_the_copy_changes_nothing_stored_or_run(
+    meanwhile: Callable[[TaskService, str], None], continue_until: float | None
+) -> None:
+    outcomes = []
+    for carry in (True, False):
+        h, _, ran = harness()
+        task, _ = h.service.submit("three", {"Name": "a"}, task_id="t-1")
+        first = h.publisher.messages.popleft()
+        meanwhile(h.service, task.task_id)
+        h.consumer.handle(over_the_wire(first if carry else evolve(first, known=None)), continue_until=continue_until)
+        h.run()
+        outcomes.append((h.service.get(task.task_id), h.service.attempts(task.task_id), ran))
+    with_copy, read = outcomes
+    assert with_copy == read
