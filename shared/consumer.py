@@ -241,16 +241,16 @@ class StepConsumer:
         else:
             try:
                 task = self._task(message)
-            except TaskNotFound:
+                reason = stale(task, Started(message.seq), self.service.clock())
+                if reason is None and self.settings.record_start_after <= 0:
+                    start = Started(message.seq, heartbeats=True)
+                    decision = self.service.apply(message.task_id, start, known=task, worker=worker_name())
+                    reason, task = decision.ignored, decision.task  # ignored: another delivery started it first
+                elif reason is None:
+                    start_after = self.settings.record_start_after
+            except TaskNotFound:  # never stored, or deleted since (a purged task, the copy's write finds no row)
                 log.warning("step message for an unknown task dropped", extra=log_extra)
                 return None
-            reason = stale(task, Started(message.seq), self.service.clock())
-            if reason is None and self.settings.record_start_after <= 0:
-                start = Started(message.seq, heartbeats=True)
-                decision = self.service.apply(message.task_id, start, known=task, worker=worker_name())
-                reason, task = decision.ignored, decision.task  # ignored: another delivery started it first
-            elif reason is None:
-                start_after = self.settings.record_start_after
             if reason:
                 metrics.STALE.labels(message.module).inc()
                 log.info("stale step message ignored: %s", reason, extra=log_extra)
@@ -290,7 +290,17 @@ class StepConsumer:
         fails and decides again on the task read then. Otherwise the task is read.
         """
         if message.known is not None and self.settings.record_start_after <= 0:
-            return task_from_row(message.known)
+            try:
+                copy = task_from_row(message.known)
+            except (KeyError, TypeError, ValueError) as exc:  # not a copy this release can read: read instead
+                log.warning(
+                    "the task copy in a step message is unreadable (%r): reading the task",
+                    exc,
+                    extra={"task_id": message.task_id},
+                )
+            else:
+                if copy.task_id == message.task_id:  # its write is fenced by the copy's own id
+                    return copy
         return self.service.get(message.task_id)
 
     def _attempt(

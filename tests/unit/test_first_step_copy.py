@@ -21,13 +21,14 @@ from shared.module import Module, StepContext
 from shared.records import evolve
 from shared.saga import Cancel, PublishFailed, Retry
 from shared.service import Submission, TaskService
+from shared.states import StepState
 from shared.storage import InMemoryStore
 from shared.storage.codec import task_from_row
 from shared.task import StepMessage, Task
 from shared.testing import Harness
 
 FLOWS = load_flows(Path(__file__).resolve().parents[1] / "support" / "flows.yaml")
-FAR = 1e9  # seconds: every step runs on in the delivery that started the flow
+FAR = 1e9  # seconds: with this long to go on, every step runs on in the delivery that started the flow
 
 
 class CountingStore(InMemoryStore):
@@ -65,6 +66,11 @@ def harness(**settings: Any) -> tuple[Harness, CountingStore, list[tuple[str, in
     return Harness(FLOWS, modules, store=store, settings=Settings(home=Path(".t"), **settings)), store, ran
 
 
+def until(h: Harness, within: float | None) -> float | None:
+    """The ``continue_until`` of a delivery that may go on for ``within`` seconds (None: publish every step)."""
+    return None if within is None else h.clock() + within
+
+
 def over_the_wire(message: StepMessage) -> StepMessage:
     """The message as a consumer gets it from the broker: its payload through JSON."""
     return StepMessage.from_payload(json.loads(json.dumps(message.to_payload())))
@@ -87,20 +93,23 @@ def test_the_first_message_carries_the_task_exactly_as_stored(submit: Callable[[
     assert task_from_row(over_the_wire(message).known) == store.get(task.task_id) == task
 
 
-@pytest.mark.parametrize("continue_until", [None, FAR])
-def test_its_consumer_starts_the_step_without_reading_the_task(continue_until: float | None) -> None:
+@pytest.mark.parametrize("within", [None, FAR], ids=["published", "run on"])
+def test_its_consumer_starts_the_step_without_reading_the_task(within: float | None) -> None:
     h, store, ran = harness()
     task, _ = h.service.submit("three", {"Name": "a"})
     store.reads = 0
-    h.consumer.handle(over_the_wire(h.publisher.messages.popleft()), continue_until=continue_until)
+    h.consumer.handle(over_the_wire(h.publisher.messages.popleft()), continue_until=until(h, within))
     assert store.reads == 0
     assert ran[0] == ("step", 0, {"Name": "a"})
     h.run()  # the later steps, published or run on
     stored = h.service.get(task.task_id)
     assert stored.status.label == "success"
     assert [r[:2] for r in ran] == [("step", 0), ("step", 1), ("step", 2)]
-    # The next messages carry no copy: the task as stored is read for them, or known from the write before.
-    assert all(m.known is None for m in h.delivered)
+    if within is None:
+        # Published, the next messages carry no copy: the task as stored is read for them.
+        assert len(h.delivered) == 2 and all(m.known is None for m in h.delivered)
+    else:
+        assert h.delivered == []  # run on, each known from the write before it
 
 
 def test_a_step_started_only_with_its_outcome_reads_the_task_first() -> None:
@@ -111,6 +120,41 @@ def test_a_step_started_only_with_its_outcome_reads_the_task_first() -> None:
     h.consumer.handle(over_the_wire(h.publisher.messages.popleft()))
     assert store.reads == 1
     assert ran == [("step", 0, {"Name": "a"})]
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda known, other: {k: v for k, v in known.items() if k != "steps"},  # a copy this release cannot read
+        lambda known, other: other,  # another task's copy
+    ],
+    ids=["unreadable", "another task's"],
+)
+def test_a_copy_the_consumer_cannot_use_is_set_aside_and_the_task_read(
+    spoil: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
+) -> None:
+    h, store, ran = harness()
+    task, _ = h.service.submit("three", {"Name": "a"})
+    h.service.submit("three", {"Name": "b"})
+    first, other = h.publisher.messages
+    store.reads = 0
+    h.consumer.handle(over_the_wire(evolve(first, known=spoil(dict(first.known or {}), dict(other.known or {})))))
+    assert store.reads == 1
+    assert ran == [("step", 0, {"Name": "a"})]
+    assert h.service.get(task.task_id).steps[0].state is StepState.SUCCEEDED
+    assert h.service.get(other.task_id).steps[0].state is StepState.PENDING
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["with its copy", "without"])
+def test_a_first_message_of_a_task_deleted_since_is_dropped(carry: bool) -> None:
+    """A purged task (shared.schedules deletes ended runs' tasks) whose first message comes late."""
+    h, store, ran = harness()
+    task, _ = h.service.submit("three", {"Name": "a"})
+    first = h.publisher.messages.popleft()
+    del store._tasks[task.task_id]  # the in-memory store has no delete of its own
+    h.consumer.handle(over_the_wire(first if carry else evolve(first, known=None)))
+    assert ran == []
+    assert store.get(task.task_id) is None
 
 
 def nothing(service: TaskService, task_id: str) -> None:
@@ -133,9 +177,9 @@ def publish_failed(service: TaskService, task_id: str) -> None:
 @pytest.mark.parametrize(
     "meanwhile", [nothing, cancelled, cancelled_then_retried_with_other_parameters, publish_failed]
 )
-@pytest.mark.parametrize("continue_until", [None, FAR])
+@pytest.mark.parametrize("within", [None, FAR], ids=["published", "run on"])
 def test_whatever_happened_since_the_submit_the_copy_changes_nothing_stored_or_run(
-    meanwhile: Callable[[TaskService, str], None], continue_until: float | None
+    meanwhile: Callable[[TaskService, str], None], within: float | None
 ) -> None:
     outcomes = []
     for carry in (True, False):
@@ -143,7 +187,8 @@ def test_whatever_happened_since_the_submit_the_copy_changes_nothing_stored_or_r
         task, _ = h.service.submit("three", {"Name": "a"}, task_id="t-1")
         first = h.publisher.messages.popleft()
         meanwhile(h.service, task.task_id)
-        h.consumer.handle(over_the_wire(first if carry else evolve(first, known=None)), continue_until=continue_until)
+        delivered = over_the_wire(first if carry else evolve(first, known=None))
+        h.consumer.handle(delivered, continue_until=until(h, within))
         h.run()
         outcomes.append((h.service.get(task.task_id), h.service.attempts(task.task_id), ran))
     with_copy, read = outcomes
