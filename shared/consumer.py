@@ -204,10 +204,10 @@ class StepConsumer:
 
         A delivered attempt costs a read, the write of its start and the write of
         its outcome; the first step of a task just submitted carries the task as
-        stored and needs no read. With ``settings.record_start_after`` > 0 the start is written
-        with the outcome instead, unless the attempt outlives that threshold: from
-        then on the scheduler expires it at its deadline instead of publishing the
-        message again, and the task shows it running.
+        stored and needs no read. With ``settings.record_start_after`` > 0 the
+        start is written with the outcome instead, unless the attempt outlives that
+        threshold: from then on the scheduler expires it at its deadline instead of
+        publishing the message again, and the task shows it running.
 
         A next step whose module this worker serves, and whose timeout ends
         before ``continue_until`` (on ``clock``), runs here at once instead of

@@ -245,7 +245,7 @@ class TaskService:
         for decision in decisions:
             metrics.SUBMITTED.labels(decision.task.flow).inc()
             log.info("task submitted", extra={"task_id": decision.task.task_id, "flow": decision.task.flow})
-            stored = task_fields(evolve(decision.task, version=CREATED_VERSION))
+            stored = task_fields(decision.task) | {"version": CREATED_VERSION}  # as the store wrote it
             messages += [evolve(m, known=stored) for m in decision.messages]
         for message, exc in self.publisher.publish_many(messages):
             self._publish_failed(message, exc)

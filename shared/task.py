@@ -132,7 +132,7 @@ class StepMessage:
         return self.cursor > 0 or self.attempt > 1 or self.type is StepType.ROLLBACK
 
     def to_payload(self) -> dict[str, Any]:
-        return {
+        payload = {
             "task_id": self.task_id,
             "flow": self.flow,
             "seq": self.seq,
@@ -145,9 +145,12 @@ class StepMessage:
             "retry": self.retry,
             "parameters": dict(self.parameters),
             "priority": self.priority,
-        } | ({"sent_at": self.sent_at} if self.sent_at is not None else {}) | (
-            {"known": self.known} if self.known is not None else {}
-        )
+        }
+        if self.sent_at is not None:
+            payload["sent_at"] = self.sent_at
+        if self.known is not None:
+            payload["known"] = self.known
+        return payload
 
     @classmethod
     def from_payload(cls, data: Mapping[str, Any]) -> StepMessage:

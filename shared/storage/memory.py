@@ -273,7 +273,7 @@ class InMemoryPullStore(PullStore):
         with self._lock:
             stored = self._tasks.get(task.task_id)
             if stored is None:
-                self._tasks[task.task_id] = evolve(task, version=CREATED_VERSION)
+                self._tasks[task.task_id] = evolve(task, version=1)
             elif stored.status is not PullStatus.PENDING:
                 self._tasks[task.task_id] = evolve(
                     task, create_time=stored.create_time, version=stored.version + 1
