@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from logging.handlers import WatchedFileHandler
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,8 @@ class AttemptFields:
         )
 
     def fields(self) -> dict[str, Any]:
-        return asdict(self)
+        # Not dataclasses.asdict: it deep-copies every value, which cost a third of a log line.
+        return dict(vars(self))
 
 
 # Where the filter puts the attempt on a record: one attribute, because "module"
@@ -139,9 +141,13 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     return fields
 
 
+# What makes a value quoted: the same characters as str.isspace, and the quote and the equals sign.
+_NEEDS_QUOTES = re.compile(r'[\s"=]')
+
+
 def _text_value(value: Any) -> str:
     text = str(value)
-    if not text or any(c.isspace() or c in "\"=" for c in text):
+    if not text or _NEEDS_QUOTES.search(text):
         return json.dumps(text, ensure_ascii=False)
     return text
 

@@ -114,6 +114,20 @@ def test_text_shape_and_quoting() -> None:
     )
 
 
+@pytest.mark.parametrize("value", ["a\tb", "a\u00a0b", "line\nbreak", 'say "hi"', "k=v"])
+def test_a_value_with_a_space_of_any_kind_a_quote_or_an_equals_sign_is_quoted(value: str) -> None:
+    text = TextFormatter("worker").format(record(v=value))
+    assert text.endswith(" v=" + json.dumps(value, ensure_ascii=False))
+
+
+def test_attempt_fields_are_a_new_dict_each_time() -> None:
+    fields = ATTEMPT.fields()
+    assert fields == {"task_id": "t-1", "flow": "deploy", "step": 1, "seq": 4, "attempt": 2,
+                      "module": "mysql", "command": "create_db"}
+    fields["task_id"] = "changed"
+    assert ATTEMPT.fields()["task_id"] == "t-1"
+
+
 def test_json_values_that_json_cannot_hold_become_strings() -> None:
     rec = record(path=Path("/tmp/x"), when=object())
     line = json.loads(JsonFormatter("up").format(rec))
