@@ -78,7 +78,17 @@ class DriverStatement:
             cursor.execute(b"DEALLOCATE ALL")  # psycopg forgets its own record of them on seeing it
             runs = 1
         _prepared_runs[conn] = runs
-        return cursor.execute(self.sql, self.params(values), prepare=True)
+        try:
+            return cursor.execute(self.sql, self.params(values), prepare=True)
+        except psycopg.errors.FeatureNotSupported:
+            # "cached plan must not change result type": a migration changed a column
+            # the statement returns while this connection kept it prepared. In
+            # autocommit nothing was written: drop them all and run it once more.
+            if not conn.autocommit:
+                raise
+            cursor.execute(b"DEALLOCATE ALL")
+            _prepared_runs[conn] = 1
+            return cursor.execute(self.sql, self.params(values), prepare=True)
 
 
 # Executions of prepared statements on each connection since they were last dropped.

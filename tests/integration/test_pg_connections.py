@@ -15,6 +15,7 @@ import pytest
 from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import load_flows
+from shared.migrate import upgrade
 from shared.service import TaskService
 from shared.storage import StorageUnavailable, TaskFilter
 from shared.storage import driver as driver_module
@@ -194,6 +195,24 @@ def test_only_the_hot_statements_are_prepared_and_they_are_prepared_anew_every_p
         assert len(prepared()) == 1  # the read alone
     finally:
         store.close()
+
+
+def test_a_statement_kept_prepared_runs_on_after_a_migration_changes_a_column_it_returns() -> None:
+    """Migration 0007 changes the type of af_tasks.steps under running processes:
+    PostgreSQL refuses a statement prepared before that returns the column
+    ("cached plan must not change result type") until the statement is prepared anew."""
+    with postgres_schema(migrate=False) as (url, schema):
+        upgrade(url, "0006")
+        store = PostgresStore(url)
+        try:
+            task, _ = store.create(submitted("t-before"), NOW)
+            for _ in range(3):
+                assert store.get(task.task_id) == task  # the read, prepared on the kept connection
+            upgrade(url)  # to 0007, from another connection, as `asyncflow migrate` would
+            assert store.get(task.task_id) == task
+            assert store.get(task.task_id) == task
+        finally:
+            store.close()
 
 
 def rows_scanned(schema: str, store: PostgresStore) -> int:

@@ -3,8 +3,9 @@
 Every transition writes the steps whole, and nothing queries inside them: jsonb's
 parse into its binary form was work at every write (benchmarks/README.md, "steps
 as json"). On PostgreSQL the column's type changes, which rewrites af_tasks under
-an exclusive lock: on a large table, run it in a quiet moment. Other databases
-store JSON as text already.
+an exclusive lock: on a large table, run it in a quiet moment. Processes still
+running prepare their statements that return the column anew at their next use
+(shared.storage.driver). Other databases store JSON as text already.
 
 Revision ID: 0007
 Revises: 0006
@@ -24,10 +25,10 @@ depends_on = None
 
 
 def upgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
+    if op.get_context().dialect.name == "postgresql":  # online or --sql
         op.alter_column("af_tasks", "steps", type_=sa.JSON(), postgresql_using="steps::json")
 
 
 def downgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
+    if op.get_context().dialect.name == "postgresql":  # online or --sql
         op.alter_column("af_tasks", "steps", type_=JSONB(), postgresql_using="steps::jsonb")
