@@ -51,20 +51,20 @@ from step_path import in_process  # noqa: E402  (it puts the project on sys.path
 from shared.migrate import upgrade  # noqa: E402
 from shared.storage.driver import DriverStatement  # noqa: E402
 
-# (sql, parameters) of one statement, as sent.
-Recorded = tuple[bytes, dict[str, Any]]
+# One statement as the store ran it, with the values it was given.
+Recorded = tuple[DriverStatement, dict[str, Any]]
 MODES = ("each", "grouped", "pipelined")
 
 
 @contextmanager
 def recording(statements: set[int]) -> Iterator[list[Recorded]]:
-    """Every run of one of ``statements`` (by id), as sent."""
+    """Every run of one of ``statements`` (by id), in order."""
     sent: list[Recorded] = []
     run = DriverStatement.run
 
     def record(self: DriverStatement, cursor: Any, values: Any) -> Any:
         if id(self) in statements:
-            sent.append((self.sql, self.params(values)))
+            sent.append((self, dict(values)))
         return run(self, cursor, values)
 
     DriverStatement.run = record  # type: ignore[method-assign]
@@ -74,8 +74,11 @@ def recording(statements: set[int]) -> Iterator[list[Recorded]]:
         DriverStatement.run = run  # type: ignore[method-assign]
 
 
-def record_flows(url: str, flows: int) -> tuple[list[dict[str, Any]], list[list[Recorded]], tuple[int, int]]:
-    """Run ``flows`` flows: the new task rows, each flow's transition statements in order, and the end state."""
+def record_flows(
+    url: str, flows: int
+) -> tuple[list[dict[str, Any]], list[list[Recorded]], tuple[int, int], dict[str, DriverStatement]]:
+    """Run ``flows`` flows: the new task rows, each flow's transitions in order, the end state, and
+    the store's transition statements by kind (a key of ``SAVE_IN_ONE_STATEMENT``)."""
     store, publisher, service, consumer = in_process(url)
     ids = [service.submit("noop", {})[0].task_id for _ in range(flows)]
     plain = url.replace("postgresql+psycopg", "postgresql")
@@ -92,7 +95,24 @@ def record_flows(url: str, flows: int) -> tuple[list[dict[str, Any]], list[list[
     store.close()
     with psycopg.connect(plain) as conn:
         end = state(conn)
-    return [dict(zip(names, row, strict=True)) for row in rows], [by_flow[i] for i in ids], end
+    rows_by_name = [dict(zip(names, row, strict=True)) for row in rows]
+    return rows_by_name, [by_flow[i] for i in ids], end, dict(store._save)  # type: ignore[attr-defined]
+
+
+@contextmanager
+def two_databases(admin_url: str | None) -> Iterator[tuple[str, str, dict[str, str]]]:
+    """A new database to record a run in and another to replay it in: their URLs and the server's versions.
+
+    Both are dropped at the end.
+    """
+    recorded, replayed = Backend("postgres"), Backend("postgres")
+    try:
+        setup_postgres(recorded, admin_url)
+        setup_postgres(replayed, admin_url)
+        yield recorded.env["ASYNCFLOW_DATABASE_URL"], replayed.env["ASYNCFLOW_DATABASE_URL"], recorded.versions
+    finally:
+        recorded.cleanup()
+        replayed.cleanup()
 
 
 def state(conn: psycopg.Connection[Any]) -> tuple[int, int]:
@@ -124,15 +144,17 @@ def reset(conn: psycopg.Connection[Any], rows: list[dict[str, Any]]) -> None:
 
 def replay(conn: psycopg.Connection[Any], flows: list[list[Recorded]], mode: str, group: int) -> dict[str, float]:
     """Send every flow's statements: per step index, ``group`` flows at a time in ``mode``."""
-    steps = max(len(f) for f in flows)
-    count = sum(len(f) for f in flows)
+    # The parameters converted before the clock starts: the store converts them before it sends.
+    sent = [[(statement.sql, statement.params(values)) for statement, values in f] for f in flows]
+    steps = max(len(f) for f in sent)
+    count = sum(len(f) for f in sent)
     size = 1 if mode == "each" else group
     in_transaction = mode == "grouped"
     syncs = wal_syncs(conn)
     cpu, wall, server = time.process_time(), time.perf_counter(), servers_cpu()["postgresql"]
     with conn.cursor() as cur:
         for step in range(steps):
-            batch = [f[step] for f in flows if step < len(f)]
+            batch = [f[step] for f in sent if step < len(f)]
             for first in range(0, len(batch), size):
                 with conn.pipeline() if mode == "pipelined" else nullcontext():
                     if in_transaction:
@@ -157,13 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=8, help="transitions per transaction when grouped (default 8)")
     p.add_argument("--postgres-admin-url", default=None, help="where to create the run's databases")
     args = p.parse_args(argv)
-    recorded, replayed = Backend("postgres"), Backend("postgres")
-    setup_postgres(recorded, args.postgres_admin_url)
-    setup_postgres(replayed, args.postgres_admin_url)
     results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
-    try:
-        rows, flows, end = record_flows(recorded.env["ASYNCFLOW_DATABASE_URL"], args.flows)
-        url = replayed.env["ASYNCFLOW_DATABASE_URL"]
+    with two_databases(args.postgres_admin_url) as (recorded_url, url, versions):
+        rows, flows, end, _ = record_flows(recorded_url, args.flows)
         upgrade(url)
         with psycopg.connect(url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
             for table in ("af_tasks", "af_attempts"):
@@ -175,9 +193,6 @@ def main(argv: list[str] | None = None) -> int:
                     results[mode].append(replay(conn, flows, mode, args.group))
                     if state(conn) != end:
                         raise SystemExit(f"{mode}: the replay did not store what the run did ({state(conn)} != {end})")
-    finally:
-        recorded.cleanup()
-        replayed.cleanup()
     keys = ("postgresql_cpu_us", "client_cpu_us", "wall_us", "wal_syncs")
     summary = {m: {k: statistics.median(r[k] for r in rs) for k in keys} for m, rs in results.items()}
     labels = {"each": "one commit each", "grouped": f"{args.group} in a transaction", "pipelined": f"{args.group} pipelined"}
@@ -187,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
               f"wall {figures['wall_us']:6.1f} µs (PostgreSQL by round: {[r['postgresql_cpu_us'] for r in results[mode]]})")
     statements = results["each"][0]["statements"]
     result = {"flows": args.flows, "transitions": statements, "group": args.group, "median": summary,
-              "rounds": results, "versions": recorded.versions, "machine": machine_info()}
+              "rounds": results, "versions": versions, "machine": machine_info()}
     print("RESULT " + json.dumps(result))
     return 0
 

@@ -40,10 +40,9 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 import psycopg  # noqa: E402
-from group_commit import reset, state  # noqa: E402
+from group_commit import record_flows, reset, state, two_databases  # noqa: E402
 from sqlalchemy import bindparam, create_engine, update  # noqa: E402
-from stack import Backend, machine_info, servers_cpu, setup_postgres  # noqa: E402
-from step_path import in_process  # noqa: E402  (it puts the project on sys.path)
+from stack import machine_info, servers_cpu  # noqa: E402
 
 from shared.migrate import upgrade  # noqa: E402
 from shared.storage.driver import DriverStatement  # noqa: E402
@@ -81,34 +80,13 @@ NARROW = update(tasks).where(SAVE_TASK.whereclause).values(
 PEER_UPDATE = b"UPDATE chain_rows SET step = step + 1 WHERE id = %(id)s"
 
 
-def record_flows(url: str, flows: int) -> tuple[list[dict[str, Any]], list[Recorded], tuple[int, int], Any]:
-    """Run ``flows`` flows: the new task rows, every transition in order, the end state and the statements."""
-    store, publisher, service, consumer = in_process(url)
-    for _ in range(flows):
-        service.submit("noop", {})
-    plain = url.replace("postgresql+psycopg", "postgresql")
-    with psycopg.connect(plain) as conn:
-        cur = conn.execute("SELECT * FROM af_tasks")
-        names = [c.name for c in cur.description or []]
-        rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-    kinds = {id(s): kind for kind, s in store._save.items()}  # type: ignore[attr-defined]
-    sent: list[Recorded] = []
-    run = DriverStatement.run
-
-    def record(self: DriverStatement, cursor: Any, values: Any) -> Any:
-        if id(self) in kinds:
-            sent.append((kinds[id(self)], dict(values)))
-        return run(self, cursor, values)
-
-    DriverStatement.run = record  # type: ignore[method-assign]
-    try:
-        while publisher.messages:
-            consumer.handle(publisher.messages.popleft(), continue_until=time.monotonic() + 3600)
-    finally:
-        DriverStatement.run = run  # type: ignore[method-assign]
-    with psycopg.connect(plain) as conn:
-        end = state(conn)
-    statements = dict(store._save)  # type: ignore[attr-defined]
+def transitions(url: str, flows: int) -> tuple[list[dict[str, Any]], list[Recorded], tuple[int, int], Any]:
+    """``group_commit.record_flows`` with each transition as its kind and values, flow by flow
+    (as they were sent: each flow ran whole in its first step's delivery), and the
+    statements by kind, the narrow task row's among them."""
+    rows, by_flow, end, statements = record_flows(url, flows)
+    kinds = {id(statement): kind for kind, statement in statements.items()}
+    sent = [(kinds[id(statement)], values) for flow in by_flow for statement, values in flow]
     statements["narrow"] = DriverStatement(NARROW, create_engine(url), prepared=True)
     return rows, sent, end, statements
 
@@ -136,13 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of every variant, alternating (default 3)")
     p.add_argument("--postgres-admin-url", default=None, help="where to create the run's databases")
     args = p.parse_args(argv)
-    recorded, replayed = Backend("postgres"), Backend("postgres")
-    setup_postgres(recorded, args.postgres_admin_url)
-    setup_postgres(replayed, args.postgres_admin_url)
     results: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    try:
-        rows, sent, end, statements = record_flows(recorded.env["ASYNCFLOW_DATABASE_URL"], args.flows)
-        url = replayed.env["ASYNCFLOW_DATABASE_URL"]
+    with two_databases(args.postgres_admin_url) as (recorded_url, url, versions):
+        rows, sent, end, statements = transitions(recorded_url, args.flows)
         upgrade(url)
         with psycopg.connect(url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
             conn.execute("CREATE TABLE chain_rows (id integer PRIMARY KEY, step integer NOT NULL, updated_at double precision)")
@@ -157,14 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                     results[variant].append(replay(conn, sent, statements, variant))
                     if variant == "whole" and state(conn) != end:
                         raise SystemExit(f"the replay did not store what the run did ({state(conn)} != {end})")
-    finally:
-        recorded.cleanup()
-        replayed.cleanup()
     median = {v: statistics.median(r) for v, r in results.items()}
     for variant, figure in median.items():
         print(f"{variant:<18} PostgreSQL {figure:6.1f} µs CPU per transition (by round: {results[variant]})")
     result = {"flows": args.flows, "transitions": len(sent), "median_us": median, "rounds_us": results,
-              "versions": recorded.versions, "machine": machine_info()}
+              "versions": versions, "machine": machine_info()}
     print("RESULT " + json.dumps(result))
     return 0
 

@@ -75,9 +75,9 @@ class DriverStatement:
         conn = cursor.connection
         runs = _prepared_runs.get(conn, 0) + 1
         if runs > PREPARED_RUNS:
-            cursor.execute(b"DEALLOCATE ALL")  # psycopg forgets its own record of them on seeing it
-            runs = 1
-        _prepared_runs[conn] = runs
+            _drop_prepared(cursor)
+        else:
+            _prepared_runs[conn] = runs
         try:
             return cursor.execute(self.sql, self.params(values), prepare=True)
         except psycopg.errors.FeatureNotSupported:
@@ -86,9 +86,14 @@ class DriverStatement:
             # autocommit nothing was written: drop them all and run it once more.
             if not conn.autocommit:
                 raise
-            cursor.execute(b"DEALLOCATE ALL")
-            _prepared_runs[conn] = 1
+            _drop_prepared(cursor)
             return cursor.execute(self.sql, self.params(values), prepare=True)
+
+
+def _drop_prepared(cursor: psycopg.Cursor[dict[str, Any]]) -> None:
+    """Drop the connection's prepared statements; the statement run next is its first since."""
+    cursor.execute(b"DEALLOCATE ALL")  # psycopg forgets its own record of them on seeing it
+    _prepared_runs[cursor.connection] = 1
 
 
 # Executions of prepared statements on each connection since they were last dropped.

@@ -24,8 +24,8 @@ metadata = MetaData()
 # JSONB on PostgreSQL, JSON text elsewhere.
 Json = JSON().with_variant(JSONB(), "postgresql")
 # JSON text everywhere, for a document written whole at every transition and never
-# queried inside: PostgreSQL only checks json's syntax where it parses jsonb into its
-# binary form, at every write (benchmarks/README.md, "steps as json").
+# queried inside: PostgreSQL checks json's syntax only, where it parses jsonb into a
+# binary form at every write (benchmarks/README.md, "Steps as json").
 JsonText = JSON()
 
 tasks = Table(

@@ -1,7 +1,7 @@
 """A task's steps as json text on PostgreSQL, not jsonb
 
 Every transition writes the steps whole, and nothing queries inside them: jsonb's
-parse into its binary form was work at every write (benchmarks/README.md, "steps
+parse into its binary form was work at every write (benchmarks/README.md, "Steps
 as json"). On PostgreSQL the column's type changes, which rewrites af_tasks under
 an exclusive lock: on a large table, run it in a quiet moment. Processes still
 running prepare their statements that return the column anew at their next use
