@@ -35,12 +35,16 @@ def test_api_metrics_cover_the_workers_scheduler_and_queues(tmp_path: Path) -> N
         task = stack.submit("noop")
         assert stack.wait_stopped(task["task_id"])["task_status"] == 0
 
-        def worker_counted() -> dict[str, dict[tuple[tuple[str, str], ...], float]] | None:
+        def reported() -> dict[str, dict[tuple[tuple[str, str], ...], float]] | None:
+            # Each process's row carries the snapshot of its last heartbeat: the scheduler's
+            # may still be the one from before it took the lead when the worker's is current.
             samples = scrape(stack.url)
             attempts = value(samples, "asyncflow_step_attempts_total", module="beta", command="step", outcome="succeeded")
-            return samples if attempts == 1 else None
+            leading = value(samples, "asyncflow_scheduler_leader") == 1
+            swept = (value(samples, "asyncflow_scheduler_lag_seconds_count") or 0) > 0
+            return samples if attempts == 1 and leading and swept else None
 
-        samples = wait_for(worker_counted, 30, "the worker's attempts in the API's /metrics")
+        samples = wait_for(reported, 30, "the worker's attempts and the scheduler's lead in the API's /metrics")
         # Counted in the worker's pool processes, summed into the one exposition.
         assert value(samples, "asyncflow_step_attempts_total", module="alpha", command="step", outcome="succeeded") == 2
         assert value(
