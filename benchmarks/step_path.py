@@ -21,13 +21,16 @@ warm-up:
     # (Collected of the second - Collected of the first) / 100 = instructions per flow
 
     .venv/bin/python benchmarks/step_path.py --flows 2000
+    .venv/bin/python benchmarks/step_path.py --flows 2000 --log-level INFO  # with a worker's log lines
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +46,7 @@ import testmod  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.consumer import StepConsumer  # noqa: E402
 from shared.flows import load_flows  # noqa: E402
+from shared.logs import setup_logging  # noqa: E402
 from shared.migrate import upgrade  # noqa: E402
 from shared.service import TaskService, timing_of  # noqa: E402
 from shared.states import TaskStatus  # noqa: E402
@@ -56,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flows", type=int, default=1000, help="flows measured (default 1000)")
     p.add_argument("--postgres-admin-url", default=None, help="where to create the run's database")
+    p.add_argument("--log-level", default=None,
+                   help="log as a worker does, at this level, to a temporary file (default: no logging)")
     args = p.parse_args(argv)
+    if args.log_level:
+        log_as_worker(args.log_level)
     backend = Backend("postgres")
     setup_postgres(backend, args.postgres_admin_url)
     try:
@@ -108,6 +116,14 @@ def in_process(url: str) -> tuple[SqlStore, QueuePublisher, TaskService, StepCon
     publisher = QueuePublisher()
     service = TaskService(store, publisher, load_flows(SUPPORT / "flows.yaml"), timing=timing_of(settings))
     return store, publisher, service, StepConsumer(service, {"alpha": testmod.alpha, "beta": testmod.beta}, settings)
+
+
+def log_as_worker(level: str) -> None:
+    """The worker's logging (text lines with the attempt's fields), into a file deleted at exit."""
+    setup_logging(Settings(home=Path("."), log_level=level), "worker")
+    handler = logging.getLogger().handlers[0]
+    assert isinstance(handler, logging.StreamHandler)
+    handler.setStream(tempfile.TemporaryFile("w"))  # noqa: SIM115 - open until the process exits
 
 
 def database_counters(url: str) -> dict[str, float]:

@@ -226,13 +226,24 @@ def test_celery_s_trace_lines_carry_the_attempt_of_the_step_task() -> None:
     assert [record_fields(r) for r in succeeded] == [expected.fields(), {}]
 
 
+def test_the_text_time_is_logging_s_own_though_made_once_a_second() -> None:
+    ours, logging_s = TextFormatter("worker"), logging.Formatter()
+    for created in (1_790_000_000.0, 1_790_000_000.4, 1_790_000_000.999, 1_790_000_001.0, 1_790_000_001.5, 1_700_000_000.25):
+        rec = record()
+        rec.created, rec.msecs = created, (created - int(created)) * 1000
+        assert ours.formatTime(rec) == logging_s.formatTime(rec)
+    assert ours.formatTime(rec, "%H") == logging_s.formatTime(rec, "%H")
+
+
 @pytest.fixture
 def root_logging() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    looked_up = logging._srcfile, logging.logThreads, logging.logMultiprocessing
     try:
         yield
     finally:
+        logging._srcfile, logging.logThreads, logging.logMultiprocessing = looked_up
         for handler in root.handlers:
             if handler not in handlers:
                 handler.close()
@@ -266,6 +277,7 @@ def test_setup_logging_text_by_default(tmp_path: Path, root_logging: None) -> No
     logging.getLogger("shared.x").info("tick", extra={"task_id": "t-1"})
     (line,) = path.read_text().splitlines()
     assert re.search(r" INFO scheduler\[\d+\] shared.x: tick task_id=t-1$", line)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", line)
 
 
 def test_the_format_setting_is_checked() -> None:
