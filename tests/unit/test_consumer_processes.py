@@ -7,18 +7,21 @@ process does with each message (runs it, notes it, acknowledges it or keeps it).
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kombu.message import Message as KombuMessage
 
-from shared.messaging import ALARM_TASK, LIMIT_MARGIN, STEP_TASK
+from shared.messaging import ALARM_TASK, JSON, LIMIT_MARGIN, STEP_TASK
 from shared.messaging import consumers as module
 from shared.messaging import running as module_running
 from shared.messaging.consumers import StepMessages
 from shared.messaging.running import RunningSteps
 from shared.storage import StorageUnavailable
+from shared.storage.codec import json_text
 from shared.task import Alarm, StepMessage, StepType
 
 STEP = StepMessage("t1", "three", 1, 0, StepType.NORMAL, 1, "alpha", "step", 20.0, 0)
@@ -140,6 +143,46 @@ def test_an_unreadable_message_is_dropped(running: RunningSteps, task: str, payl
     message = Message(task)
     process(consumer, running).on_message(body(payload), message)
     assert consumer.handled == [] and consumer.alarms == [] and message.acks == 1
+
+
+class Delivery(KombuMessage):
+    """A message as kombu hands it over, body not decoded, that counts its acknowledgements."""
+
+    def __init__(self, body: bytes, content_type: str, **headers: Any) -> None:
+        super().__init__(
+            body=body, content_type=content_type, content_encoding="utf-8", accept=["json"],
+            headers={"task": STEP_TASK, "id": "delivery-1", "timelimit": (26.0, 25.0), **headers},
+        )
+        self.acks = 0
+
+    def ack(self, multiple: bool = False) -> None:
+        self.acks += 1
+
+
+def test_a_delivery_s_json_body_is_decoded_and_its_step_run(running: RunningSteps) -> None:
+    consumer = Consumer(running)
+    payload = STEP.to_payload() | {"parameters": {"name": "ä", "n": 2**40, "x": [1.5, None]}}
+    delivery = Delivery(json_text(body(payload)), JSON)
+    process(consumer, running).on_delivery(delivery)
+    assert [step for step, _, _ in consumer.handled] == [StepMessage.from_payload(payload)]
+    assert delivery.acks == 1
+
+
+@pytest.mark.parametrize(
+    "data, content_type, headers",
+    [
+        (b"{not json", JSON, {}),
+        (pickle.dumps(body(STEP.to_payload())), "application/x-python-serialize", {}),  # not accepted
+        (json_text(body(STEP.to_payload())), JSON, {"compression": "application/x-gzip"}),  # not gzip
+    ],
+)
+def test_a_delivery_that_cannot_be_decoded_is_dropped(
+    running: RunningSteps, data: bytes, content_type: str, headers: dict[str, str]
+) -> None:
+    consumer = Consumer(running)
+    delivery = Delivery(data, content_type, **headers)
+    process(consumer, running).on_delivery(delivery)
+    assert consumer.handled == [] and delivery.acks == 1
 
 
 def test_an_alarm_is_tried_again_then_given_up(running: RunningSteps) -> None:
