@@ -10,7 +10,12 @@ Python, for ``--rounds`` rounds. Each round runs, in this order:
 Each run sets up and removes its own database and RabbitMQ vhost. The figures are
 read from the ``RESULT {json}`` line each script prints last. It prints a table
 per round, the median of each figure over the rounds, and the ratios
-Asyncflow / peer of burst flows/s and of submit->done p50 at rate R.
+Asyncflow / peer of burst flows/s and of submit->done p50 at rate R, and peer /
+Asyncflow of the burst's CPU per flow of all that serves a flow (each side's own
+processes and the database and broker servers; the peer's submits, which run in
+its script, included; the load generator not). The peer's burst leaves part of
+the machine idle, so the last ratio tells how much cheaper a flow is, the first
+what that buys in throughput on this machine.
 
 The exit status is 0 when every run exited 0, 1 otherwise, 130 when interrupted.
 
@@ -124,6 +129,15 @@ def stack_cpu_ms(r: dict[str, Any]) -> float | None:
     if not r.get("cpu_s") or not r.get("succeeded"):
         return None
     return 1000 * sum(r["cpu_s"].values()) / r["succeeded"]
+
+
+def flow_cost_ms(r: dict[str, Any]) -> float | None:
+    """CPU per flow of all that serves a flow: the stack's processes, the database and broker servers,
+    and the peer's submits (its script's INSERT and publish, which Asyncflow's API does); not the load generator."""
+    if not r.get("cpu_s") or not r.get("succeeded"):
+        return None
+    secs = sum(r["cpu_s"].values()) + r.get("cpu_script_s", 0.0) + sum((r.get("cpu_servers_s") or {}).values())
+    return 1000 * secs / r["succeeded"]
 
 
 def cell(v: Any, width: int, digits: int = 1) -> str:
@@ -256,11 +270,17 @@ def main(argv: list[str] | None = None) -> int:
                                  r.get(("peer", "burst"), {}).get("flows_per_s")) for r in rounds]
         per_round_p50 = [ratio(r.get((side, "rate"), {}).get("submit_done_p50_ms"),
                                r.get(("peer", "rate"), {}).get("submit_done_p50_ms")) for r in rounds]
+        per_round_cost = [ratio(flow_cost_ms(r[("peer", "burst")]), flow_cost_ms(r[(side, "burst")]))
+                          if (side, "burst") in r and ("peer", "burst") in r else "-" for r in rounds]
         burst_side, p50_side = med((side, "burst"), "flows_per_s"), med((side, "rate"), "submit_done_p50_ms")
+        cost_side = median([flow_cost_ms(r[(side, "burst")]) for r in rounds if (side, "burst") in r])
+        cost_peer = median([flow_cost_ms(r[("peer", "burst")]) for r in rounds if ("peer", "burst") in r])
         print(f"  {f'burst flows/s ({args.flows} flows)':<40}{ratio(burst_side, burst_peer):>6}  "
               f"[{', '.join(per_round_burst)}]  (above 1: asyncflow faster)")
         print(f"  {f'submit->done p50 at {args.rate:g} flows/s':<40}{ratio(p50_side, p50_peer):>6}  "
               f"[{', '.join(per_round_p50)}]  (above 1: asyncflow slower)")
+        print(f"  {'burst CPU per flow, all that serves it':<40}{ratio(cost_peer, cost_side):>6}  "
+              f"[{', '.join(per_round_cost)}]  (above 1: asyncflow cheaper; {cost_side} against {cost_peer} ms)")
 
     failed = [(k, key) for k, r in enumerate(rounds, 1) for key in r if r[key].get("returncode") != 0]
     for k, key in failed:
