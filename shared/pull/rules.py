@@ -94,6 +94,15 @@ class Report:
     crt_retry_num: int | None = None
 
 
+def type_settings(config: TaskType) -> dict[str, int]:
+    """What a new task takes from its type: its retries and its lease."""
+    return {
+        "max_retry_num": config.max_retry_num,
+        "max_retry_interval": config.max_retry_interval,
+        "max_processing_time": config.max_processing_time,
+    }
+
+
 def new_pull_task(
     task_id: str,
     config: TaskType,

@@ -21,7 +21,7 @@ from shared.pull.rules import (
 )
 from shared.service import DuplicateTaskId, ServiceError, TaskNotFound, at_index
 from shared.storage import PullStore
-from shared.storage.base import all_stored, create_each
+from shared.storage.base import UnknownType, all_stored, create_each
 from shared.transition import compare_and_set
 
 if TYPE_CHECKING:
@@ -126,7 +126,11 @@ class PullService:
                 raise at_index(task, i) from None
             first_at[task.task_id] = i
             tasks.append(task)
-        return self._counted(all_stored(self.store.create_many(tasks)))
+        try:
+            return self._counted(all_stored(self.store.create_many(tasks)))
+        except UnknownType as exc:
+            first = next(i for i, task in enumerate(tasks) if task.task_type == exc.task_type)
+            raise at_index(_unknown(exc.task_type), first) from None
 
     def create_each(self, batch: Sequence[NewPullTask]) -> list[tuple[PullTask, bool] | Exception]:
         """Concurrent create_task calls (the API's, coalesced), stored in one transaction.
@@ -141,11 +145,16 @@ class PullService:
             lambda tasks: self.store.create_many(tasks, each=True),
         )
         self._counted([answer for answer in stored if isinstance(answer, tuple)])
-        answers = iter(stored)
+        answers = (_unknown(answer.task_type) if isinstance(answer, UnknownType) else answer for answer in stored)
         return [task if isinstance(task, ServiceError) else next(answers) for task in prepared]
 
     def _new_tasks(self, batch: Sequence[NewPullTask]) -> list[PullTask | ServiceError]:
-        """The tasks of ``batch`` with their types' settings, or why each cannot be created."""
+        """The tasks of ``batch``, or why each cannot be created.
+
+        Their types' settings are the store's to fill in, read with the insert
+        (:meth:`PullStore.create_many`): a read of each type first was a round trip
+        per batch of coalesced calls.
+        """
         now = self.clock()
         configs: dict[str, TaskType] = {}
         tasks: list[PullTask | ServiceError] = []
@@ -155,10 +164,10 @@ class PullService:
             if config is None:
                 try:
                     self._not_reserved(new.task_type, "its tasks are the steps of flows; submit a flow")
-                    config = configs[new.task_type] = self.task_type(new.task_type)
                 except ServiceError as exc:
                     tasks.append(exc)
                     continue
+                config = configs[new.task_type] = TaskType(task_type=new.task_type)
             tasks.append(new_pull_task(task_id, config, new.user_id, new.stage, new.content, new.priority, now))
         return tasks
 

@@ -33,6 +33,14 @@ class TaskConflict(StorageError):
     """A task with this id exists and belongs to another caller or flow."""
 
 
+class UnknownType(StorageError):
+    """A pull task whose type is not registered: there are no settings to create it with."""
+
+    def __init__(self, task_type: str) -> None:
+        super().__init__(f"unknown task_type {task_type!r}")
+        self.task_type = task_type
+
+
 def patiently(
     call: Callable[[], T],
     patience: float,
@@ -286,47 +294,54 @@ def same_pull_request(stored: PullTask, task: PullTask) -> bool:
 
 Created = TypeVar("Created", Task, PullTask)
 # What create_many answers for one task of its batch: the task as stored and whether
-# this call created it, or (with ``each``) the conflict that refused it.
-Stored = tuple[Created, bool] | TaskConflict
+# this call created it, or (with ``each``) what refused it: its id taken by another
+# request, or for a pull task its type not registered.
+Stored = tuple[Created, bool] | TaskConflict | UnknownType
 
 
 def batch_created(
     batch: Sequence[Created],
-    inserted: set[str],
+    inserted: Mapping[str, Mapping[str, Any]],
     found: Iterable[Created],
     same: Callable[[Created, Created], bool],
     each: bool = False,
 ) -> list[Stored[Created]]:
-    """What a create_many answers once it knows the ids it ``inserted`` and the stored tasks ``found`` for the rest.
+    """What a create_many answers once it knows what it ``inserted`` and the stored tasks ``found`` for the rest.
 
-    Its insert skips an id already stored instead of failing and undoing the batch
-    (PostgreSQL waits for a concurrent create of that id, then skips it). Such a
-    task must be the ``same`` request again. If not, :class:`TaskConflict` is
-    raised before anything is committed, so that none of the batch is stored; or,
-    with ``each``, answered for that task alone while the others are committed.
+    ``inserted`` maps the id of each task inserted to the columns the store filled
+    in (a pull task's settings, from its type's row). Its insert skips an id
+    already stored instead of failing and undoing the batch (PostgreSQL waits for a
+    concurrent create of that id, then skips it). Such a task must be the ``same``
+    request again. If not, :class:`TaskConflict` is raised before anything is
+    committed, so that none of the batch is stored; or, with ``each``, answered for
+    that task alone while the others are committed. A pull task neither inserted
+    nor stored is one whose type is not registered: :class:`UnknownType`, the same way.
     """
     stored = {task.task_id: task for task in found}
     answer: list[Stored[Created]] = []
     for task in batch:
-        if task.task_id in inserted:
-            answer.append((evolve(task, version=CREATED_VERSION), True))
+        filled = inserted.get(task.task_id)
+        if filled is not None:
+            answer.append((evolve(task, version=CREATED_VERSION, **filled), True))
             continue
         old = stored.get(task.task_id)
         if old is None or not same(old, task):
-            conflict = TaskConflict(f"task id {task.task_id!r} is already used")
+            refused: TaskConflict | UnknownType = TaskConflict(f"task id {task.task_id!r} is already used")
+            if old is None and isinstance(task, PullTask):
+                refused = UnknownType(task.task_type)
             if not each:
-                raise conflict
-            answer.append(conflict)
+                raise refused
+            answer.append(refused)
             continue
         answer.append((old, False))
     return answer
 
 
 def all_stored(answer: Sequence[Stored[Created]]) -> list[tuple[Created, bool]]:
-    """The answer of an all-or-none create_many, which raises a conflict instead of answering it."""
+    """The answer of an all-or-none create_many, which raises what refused a task instead of answering it."""
     stored = []
     for one in answer:
-        if isinstance(one, TaskConflict):
+        if not isinstance(one, tuple):
             raise one
         stored.append(one)
     return stored
@@ -400,11 +415,13 @@ class PullStore(abc.ABC):
 
     @abc.abstractmethod
     def create_many(self, batch: Sequence[PullTask], each: bool = False) -> list[Stored[PullTask]]:
-        """Insert every task of ``batch`` (distinct ids, their types' settings filled in) at once.
+        """Insert every task of ``batch`` (distinct ids) at once, each with its type's retry and lease settings.
 
-        As :meth:`TaskStore.create_many`: an id already stored gives (stored task,
+        The settings are read with the insert, as :meth:`create` reads them. As
+        :meth:`TaskStore.create_many`: an id already stored gives (stored task,
         False); one of another type or user raises :class:`TaskConflict` and stores
-        none of the batch, or with ``each`` is that task's answer alone.
+        none of the batch, or with ``each`` is that task's answer alone; so does
+        :class:`UnknownType` for a task whose type is not registered.
         """
 
     @abc.abstractmethod

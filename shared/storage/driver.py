@@ -292,17 +292,19 @@ def insert_new(
     insert: DriverStatement,
     read: DriverStatement,
     rows: Sequence[Mapping[str, Any]],
-) -> tuple[set[str], list[dict[str, Any]]]:
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Run ``insert``, one row's INSERT … ON CONFLICT DO NOTHING RETURNING task_id, for each of ``rows``.
 
     In a pipeline: the statement is parsed once and the rows go in one round trip.
-    Returns the ids inserted, and the stored rows of the others, ``read`` by
-    ``b_task_id`` one by one (replays: rare).
+    Returns the ids inserted, each with the other columns the insert returned,
+    and the stored rows of the others, ``read`` by ``b_task_id`` one by one
+    (replays: rare).
     """
     cursor.executemany(insert.sql, [insert.params(row) for row in rows], returning=True)
-    inserted: set[str] = set()
+    inserted: dict[str, dict[str, Any]] = {}
     while True:
-        inserted.update(row["task_id"] for row in cursor.fetchall())
+        for returned in cursor.fetchall():
+            inserted[returned.pop("task_id")] = returned
         if not cursor.nextset():
             break
     found = []

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from shared.pull.rules import PullStatus, PullTask, TaskType, leased
+from shared.pull.rules import PullStatus, PullTask, TaskType, leased, type_settings
 from shared.records import evolve
 from shared.schedules.model import Run, Schedule
 from shared.schedules.timetable import wake_at
@@ -46,13 +46,24 @@ from shared.task import Task
 
 
 def _insert_new(
-    table: dict[str, Created], batch: Sequence[Created], same: Callable[[Created, Created], bool], each: bool
+    table: dict[str, Created],
+    batch: Sequence[Created],
+    same: Callable[[Created, Created], bool],
+    each: bool,
+    filled: Callable[[Created], Mapping[str, Any] | None] = lambda task: {},
 ) -> builtins.list[Stored[Created]]:
-    """create_many of the fakes: all of ``batch`` or, if an id is taken by another request, none (or, with ``each``, the others)."""
+    """create_many of the fakes: all of ``batch`` or, if one is refused, none (or, with ``each``, the others).
+
+    ``filled``: the columns the store fills in for a new task, None when it cannot be created.
+    """
     found = [table[task.task_id] for task in batch if task.task_id in table]
-    answer = batch_created(batch, {task.task_id for task in batch if task.task_id not in table}, found, same, each)
+    inserted = {}
+    for task in batch:
+        if task.task_id not in table and (columns := filled(task)) is not None:
+            inserted[task.task_id] = columns
+    answer = batch_created(batch, inserted, found, same, each)
     for one in answer:
-        if not isinstance(one, TaskConflict) and one[1]:
+        if isinstance(one, tuple) and one[1]:
             table[one[0].task_id] = one[0]
     return answer
 
@@ -240,7 +251,11 @@ class InMemoryPullStore(PullStore):
 
     def create_many(self, batch: Sequence[PullTask], each: bool = False) -> builtins.list[Stored[PullTask]]:
         with self._lock:
-            return _insert_new(self._tasks, batch, same_pull_request, each)
+            return _insert_new(self._tasks, batch, same_pull_request, each, self._settings_of)
+
+    def _settings_of(self, task: PullTask) -> dict[str, int] | None:
+        config = self._types.get(task.task_type)
+        return type_settings(config) if config is not None else None
 
     def create(self, task: PullTask) -> tuple[PullTask, bool] | None:
         with self._lock:
@@ -252,13 +267,7 @@ class InMemoryPullStore(PullStore):
                 if (stored.task_type, stored.user_id) != (task.task_type, task.user_id):
                     raise TaskConflict(f"task id {task.task_id!r} is already used")
                 return stored, False
-            task = evolve(
-                task,
-                max_retry_num=config.max_retry_num,
-                max_retry_interval=config.max_retry_interval,
-                max_processing_time=config.max_processing_time,
-                version=1,
-            )
+            task = evolve(task, version=1, **type_settings(config))
             self._tasks[task.task_id] = task
             return task, True
 

@@ -20,7 +20,7 @@ from sqlalchemy import any_, bindparam, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
-from shared.pull.rules import PullStatus, PullTask, TaskType
+from shared.pull.rules import PullStatus, PullTask, TaskType, type_settings
 from shared.records import evolve
 from shared.storage.base import PullStore, Stored, TaskConflict, TypeSummary, batch_created, same_pull_request
 from shared.storage.driver import (
@@ -42,19 +42,23 @@ if TYPE_CHECKING:
 _FROM_TYPE = frozenset({"max_retry_num", "max_retry_interval", "max_processing_time"})
 
 
-def _create_statement(returning: bool = True) -> Any:
+def _create_statement(insert_of: Any = insert, returning: bool = True, skip_taken: bool = False) -> Any:
     """INSERT … SELECT: the new row's own values as parameters, the type's settings from its row.
 
-    Without ``returning``, for many rows at once (executemany): its row count says how many
-    found their type.
+    It returns the settings (and with ``skip_taken`` the id: an id already stored is
+    skipped, as a batch needs); without ``returning``, for many rows at once
+    (executemany), its row count says how many found their type.
     """
     columns = [c.name for c in pull_tasks.columns]
     values = [
         task_types.c[c] if c in _FROM_TYPE else bindparam(c, type_=pull_tasks.c[c].type) for c in columns
     ]
     chosen = select(*values).where(task_types.c.task_type == bindparam("task_type"))
-    statement = insert(pull_tasks).from_select(columns, chosen)
-    return statement.returning(*(pull_tasks.c[c] for c in sorted(_FROM_TYPE))) if returning else statement
+    statement = insert_of(pull_tasks).from_select(columns, chosen)
+    if skip_taken:
+        statement = statement.on_conflict_do_nothing(index_elements=[pull_tasks.c.task_id]).returning(pull_tasks.c.task_id)
+    settings = [pull_tasks.c[c] for c in sorted(_FROM_TYPE)]
+    return statement.returning(*settings) if returning else statement
 
 
 def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
@@ -103,14 +107,17 @@ HOLD = {skip: {by_type: _hold_statement(skip, by_type) for by_type in (False, Tr
 CREATE_PULL_TASK = _create_statement()
 CREATE_PULL_TASKS = _create_statement(returning=False)
 GET_PULL_TASK = select(pull_tasks).where(pull_tasks.c.task_id == bindparam("b_task_id"))
-# Read once per batch of coalesced create_task calls (oss_api.coalesce), per type in it.
 GET_TASK_TYPE = select(task_types).where(task_types.c.task_type == bindparam("b_task_type"))
+GET_TASK_TYPES = select(task_types).where(task_types.c.task_type.in_(bindparam("b_task_types", expanding=True)))
 GET_PULL_TASKS = select(pull_tasks).where(pull_tasks.c.task_id.in_(bindparam("b_task_ids", expanding=True)))
-# A batch's insert: the tasks come with their types' settings; ids already stored are skipped.
-CREATE_NEW_PULL_TASKS = {
-    name: insert_of(pull_tasks).on_conflict_do_nothing(index_elements=[pull_tasks.c.task_id]).returning(pull_tasks.c.task_id)
-    for name, insert_of in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
-}
+# A batch's insert, row by row in a pipeline (PostgreSQL): each row with its type's settings,
+# read by the statement, not before it (a round trip per batch of coalesced create_task
+# calls, benchmarks/README.md); an id already stored is skipped. It returns the id and the settings.
+CREATE_NEW_PULL_TASK = _create_statement(postgresql.insert, skip_taken=True)
+# SQLite's: the settings given, read in the same transaction; an id already stored is skipped.
+CREATE_NEW_PULL_TASKS = (
+    sqlite.insert(pull_tasks).on_conflict_do_nothing(index_elements=[pull_tasks.c.task_id]).returning(pull_tasks.c.task_id)
+)
 # A report (set_task), the scheduler's expiry: every column but the key, if the version still matches.
 SAVE_PULL_TASK = (
     update(pull_tasks)
@@ -147,10 +154,7 @@ class SqlPullStore(PullStore):
         if postgres:
             self._driver = {
                 "create": DriverStatement(CREATE_PULL_TASK, sql.engine),
-                "create new": DriverStatement(
-                    CREATE_NEW_PULL_TASKS["postgresql"].values({c.name: bindparam(c.name, type_=c.type) for c in pull_tasks.columns}),
-                    sql.engine,
-                ),
+                "create new": DriverStatement(CREATE_NEW_PULL_TASK, sql.engine),
                 "get": DriverStatement(GET_PULL_TASK, sql.engine, prepared=True),
                 "get type": DriverStatement(GET_TASK_TYPE, sql.engine, prepared=True),
                 "save": DriverStatement(SAVE_PULL_TASK, sql.engine, prepared=True),
@@ -242,7 +246,11 @@ class SqlPullStore(PullStore):
                 found = [_task(row) for row in stored]
                 return batch_created(batch, inserted, found, same_pull_request, each)
         with self.sql.transaction() as conn:
-            inserted = set(conn.execute(CREATE_NEW_PULL_TASKS[self.sql.engine.dialect.name], rows).scalars())
+            names = sorted({task.task_type for task in batch})
+            settings = {r.task_type: type_settings(_type(r)) for r in conn.execute(GET_TASK_TYPES, {"b_task_types": names})}
+            typed = [row | settings[row["task_type"]] for row in rows if row["task_type"] in settings]
+            new = set(conn.execute(CREATE_NEW_PULL_TASKS, typed).scalars()) if typed else set()
+            inserted = {row["task_id"]: settings[row["task_type"]] for row in typed if row["task_id"] in new}
             taken = [task.task_id for task in batch if task.task_id not in inserted]
             found = [_task(row) for row in conn.execute(GET_PULL_TASKS, {"b_task_ids": taken})] if taken else []
             return batch_created(batch, inserted, found, same_pull_request, each)  # raising, it rolls the batch back

@@ -19,6 +19,7 @@ from sqlalchemy import delete
 from shared.migrate import upgrade
 from shared.pull.rules import PullStatus, PullTask, TaskType, new_pull_task
 from shared.storage import PullStore, SqlStore, TaskConflict, open_store
+from shared.storage.base import UnknownType
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql_pull import SqlPullStore
 from tests.unit.test_pull_properties import PullTasks
@@ -66,11 +67,16 @@ def test_create_again_returns_the_stored_task_or_a_conflict(typed: PullStore) ->
         typed.create(a_task("t1", user="someone else"))
 
 
+def stored(task: PullTask) -> PullTask:
+    """``task`` as the store creates it: version 1, with the settings of the type ``typed`` registers."""
+    return replace(task, version=1, max_retry_num=2, max_retry_interval=-4, max_processing_time=60)
+
+
 def test_create_many_stores_all_or_none(typed: PullStore) -> None:
     first, _ = typed.create(a_task("old"))  # type: ignore[misc]
     batch = [a_task(f"n{i}", priority=i) for i in range(3)] + [replace(a_task("old"), task_content="again")]
-    assert typed.create_many(batch) == [(replace(t, version=1), True) for t in batch[:3]] + [(first, False)]
-    assert [typed.get(f"n{i}") for i in range(3)] == [replace(t, version=1) for t in batch[:3]]
+    assert typed.create_many(batch) == [(stored(t), True) for t in batch[:3]] + [(first, False)]
+    assert [typed.get(f"n{i}") for i in range(3)] == [stored(t) for t in batch[:3]]
     with pytest.raises(TaskConflict, match="'old'"):
         typed.create_many([a_task("m0"), a_task("old", user="someone else")])
     assert typed.get("m0") is None
@@ -80,12 +86,28 @@ def test_create_many_each_answers_a_conflict_alone_and_stores_the_others(typed: 
     first, _ = typed.create(a_task("old"))  # type: ignore[misc]
     batch = [a_task("m0"), a_task("old", user="someone else"), replace(a_task("old"), task_content="again"), a_task("m1")]
     answers = typed.create_many(batch, each=True)
-    assert answers[0] == (replace(batch[0], version=1), True) and answers[3] == (replace(batch[3], version=1), True)
+    assert answers[0] == (stored(batch[0]), True) and answers[3] == (stored(batch[3]), True)
     assert isinstance(answers[1], TaskConflict) and "'old'" in str(answers[1])
     assert answers[2] == (first, False)
-    assert typed.get("m0") == replace(batch[0], version=1) and typed.get("old") == first
+    assert typed.get("m0") == stored(batch[0]) and typed.get("old") == first
     [alone] = typed.create_many([a_task("m2")], each=True)  # a batch of one: no transaction around it
-    assert alone == (replace(a_task("m2"), version=1), True) and typed.get("m2") == alone[0]  # type: ignore[index]
+    assert alone == (stored(a_task("m2")), True) and typed.get("m2") == alone[0]  # type: ignore[index]
+
+
+def test_create_many_takes_each_type_s_settings_and_refuses_an_unknown_type(typed: PullStore) -> None:
+    typed.save_type(TaskType(task_type="audio", max_retry_num=7, max_retry_interval=5, max_processing_time=9), NOW)
+    batch = [a_task("v1"), a_task("a1", task_type="audio"), a_task("x1", task_type="nope"), a_task("v2")]
+    answers = typed.create_many(batch, each=True)
+    assert answers[1] == (replace(batch[1], version=1, max_retry_num=7, max_retry_interval=5, max_processing_time=9), True)
+    assert isinstance(answers[2], UnknownType) and answers[2].task_type == "nope"
+    assert [answers[0], answers[3]] == [(stored(batch[0]), True), (stored(batch[3]), True)]
+    assert typed.get("x1") is None and typed.get("a1") == answers[1][0]  # type: ignore[index]
+    # All or none: an unknown type refuses the whole batch.
+    with pytest.raises(UnknownType, match="'nope'"):
+        typed.create_many([a_task("v3"), a_task("x2", task_type="nope")])
+    assert typed.get("v3") is None
+    [alone] = typed.create_many([a_task("x3", task_type="nope")], each=True)
+    assert isinstance(alone, UnknownType) and typed.get("x3") is None
 
 
 def test_create_many_racing_single_creates_of_its_ids(typed: PullStore) -> None:
