@@ -164,10 +164,11 @@ class TextFormatter(logging.Formatter):
         # logging's own, with the date and time of day made once a second, not once a line.
         if datefmt is not None:
             return super().formatTime(record, datefmt)
-        second = int(record.created)
-        if self._second[0] != second:
-            self._second = (second, time.strftime(self.default_time_format, self.converter(record.created)))
-        return f"{self._second[1]},{int(record.msecs):03d}"  # as logging's default_msec_format
+        second, text = self._second
+        if second != int(record.created):
+            text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = (int(record.created), text)
+        return f"{text},{int(record.msecs):03d}"  # as logging's default_msec_format
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         line = super().formatMessage(record)
@@ -222,8 +223,9 @@ def setup_logging(settings: Settings, process: str) -> None:
     ``process`` names the role in each line: api, worker, scheduler, up.
     """
     # What no format here prints, a record need not look up: the caller's file and
-    # line (a walk of the stack), the thread's and the process's names. Together
-    # with the time of day, a quarter of what a worker's line costs it.
+    # line (a walk of the stack; stack_info=True then adds nothing, and nothing here
+    # asks for it), the thread's and the process's names. Together with the time of
+    # day, a quarter of what a worker's line costs it.
     logging._srcfile = None
     logging.logThreads = False
     logging.logMultiprocessing = False

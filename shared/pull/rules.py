@@ -94,13 +94,13 @@ class Report:
     crt_retry_num: int | None = None
 
 
+# What a new task takes from its type: its retries and its lease.
+TYPE_SETTINGS = ("max_retry_num", "max_retry_interval", "max_processing_time")
+
+
 def type_settings(config: TaskType) -> dict[str, int]:
-    """What a new task takes from its type: its retries and its lease."""
-    return {
-        "max_retry_num": config.max_retry_num,
-        "max_retry_interval": config.max_retry_interval,
-        "max_processing_time": config.max_processing_time,
-    }
+    """The values of ``config``'s TYPE_SETTINGS, for a new task of its type."""
+    return {name: getattr(config, name) for name in TYPE_SETTINGS}
 
 
 def new_pull_task(

@@ -129,8 +129,7 @@ class PullService:
         try:
             return self._counted(all_stored(self.store.create_many(tasks)))
         except UnknownType as exc:
-            first = next(i for i, task in enumerate(tasks) if task.task_type == exc.task_type)
-            raise at_index(_unknown(exc.task_type), first) from None
+            raise at_index(_unknown(exc.task_type), first_at[exc.task_id]) from None
 
     def create_each(self, batch: Sequence[NewPullTask]) -> list[tuple[PullTask, bool] | Exception]:
         """Concurrent create_task calls (the API's, coalesced), stored in one transaction.
@@ -167,7 +166,7 @@ class PullService:
                 except ServiceError as exc:
                     tasks.append(exc)
                     continue
-                config = configs[new.task_type] = TaskType(task_type=new.task_type)
+                config = configs[new.task_type] = TaskType(task_type=new.task_type)  # its settings: the store's
             tasks.append(new_pull_task(task_id, config, new.user_id, new.stage, new.content, new.priority, now))
         return tasks
 

@@ -36,9 +36,9 @@ class TaskConflict(StorageError):
 class UnknownType(StorageError):
     """A pull task whose type is not registered: there are no settings to create it with."""
 
-    def __init__(self, task_type: str) -> None:
+    def __init__(self, task_id: str, task_type: str) -> None:
         super().__init__(f"unknown task_type {task_type!r}")
-        self.task_type = task_type
+        self.task_id, self.task_type = task_id, task_type
 
 
 def patiently(
@@ -328,7 +328,7 @@ def batch_created(
         if old is None or not same(old, task):
             refused: TaskConflict | UnknownType = TaskConflict(f"task id {task.task_id!r} is already used")
             if old is None and isinstance(task, PullTask):
-                refused = UnknownType(task.task_type)
+                refused = UnknownType(task.task_id, task.task_type)
             if not each:
                 raise refused
             answer.append(refused)

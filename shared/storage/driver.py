@@ -297,19 +297,22 @@ def insert_new(
 
     In a pipeline: the statement is parsed once and the rows go in one round trip.
     Returns the ids inserted, each with the other columns the insert returned,
-    and the stored rows of the others, ``read`` by ``b_task_id`` one by one
-    (replays: rare).
+    and the stored rows of the others (replays; or pull tasks of an unregistered
+    type, which a batch of any size may hold), ``read`` by ``b_task_id`` in one
+    more round trip.
     """
-    cursor.executemany(insert.sql, [insert.params(row) for row in rows], returning=True)
-    inserted: dict[str, dict[str, Any]] = {}
+    inserted = {returned.pop("task_id"): returned for returned in _each_row(cursor, insert, rows)}
+    skipped = [{"b_task_id": row["task_id"]} for row in rows if row["task_id"] not in inserted]
+    return inserted, _each_row(cursor, read, skipped) if skipped else []
+
+
+def _each_row(
+    cursor: psycopg.Cursor[dict[str, Any]], statement: DriverStatement, values: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The rows ``statement`` returns for each of ``values``, run in a pipeline."""
+    cursor.executemany(statement.sql, [statement.params(v) for v in values], returning=True)
+    rows = []
     while True:
-        for returned in cursor.fetchall():
-            inserted[returned.pop("task_id")] = returned
+        rows.extend(cursor.fetchall())
         if not cursor.nextset():
-            break
-    found = []
-    for row in rows:
-        if row["task_id"] not in inserted:
-            stored = cursor.execute(read.sql, read.params({"b_task_id": row["task_id"]})).fetchone()
-            found.extend([stored] if stored is not None else [])
-    return inserted, found
+            return rows

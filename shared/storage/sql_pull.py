@@ -20,7 +20,7 @@ from sqlalchemy import any_, bindparam, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
-from shared.pull.rules import PullStatus, PullTask, TaskType, type_settings
+from shared.pull.rules import TYPE_SETTINGS, PullStatus, PullTask, TaskType, type_settings
 from shared.records import evolve
 from shared.storage.base import PullStore, Stored, TaskConflict, TypeSummary, batch_created, same_pull_request
 from shared.storage.driver import (
@@ -38,8 +38,7 @@ if TYPE_CHECKING:
     from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
     from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
 
-# Columns a new task takes from its type's settings.
-_FROM_TYPE = frozenset({"max_retry_num", "max_retry_interval", "max_processing_time"})
+_FROM_TYPE = frozenset(TYPE_SETTINGS)
 
 
 def _create_statement(insert_of: Any = insert, returning: bool = True, skip_taken: bool = False) -> Any:
