@@ -138,7 +138,8 @@ class SqlStore(TaskStore):
         rows = [task_to_row(task, now) | {"version": CREATED_VERSION} for task in batch]
         rows.sort(key=by_id)
         with self.transaction() as conn:
-            inserted: dict[str, dict[str, Any]] = {task_id: {} for task_id in conn.execute(CREATE_NEW_TASKS[self.engine.dialect.name], rows).scalars()}
+            new = conn.execute(CREATE_NEW_TASKS[self.engine.dialect.name], rows).scalars()
+            inserted: dict[str, dict[str, Any]] = {task_id: {} for task_id in new}  # nothing filled in
             taken = [task.task_id for task in batch if task.task_id not in inserted]
             found = [task_from_row(row) for row in conn.execute(GET_TASKS, {"b_task_ids": taken})] if taken else []
             return batch_created(batch, inserted, found, same_request, each)  # raising, it rolls the batch back

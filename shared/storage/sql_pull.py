@@ -38,8 +38,6 @@ if TYPE_CHECKING:
     from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
     from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
 
-_FROM_TYPE = frozenset(TYPE_SETTINGS)
-
 
 def _create_statement(insert_of: Any = insert, returning: bool = True, skip_taken: bool = False) -> Any:
     """INSERT … SELECT: the new row's own values as parameters, the type's settings from its row.
@@ -50,14 +48,14 @@ def _create_statement(insert_of: Any = insert, returning: bool = True, skip_take
     """
     columns = [c.name for c in pull_tasks.columns]
     values = [
-        task_types.c[c] if c in _FROM_TYPE else bindparam(c, type_=pull_tasks.c[c].type) for c in columns
+        task_types.c[c] if c in TYPE_SETTINGS else bindparam(c, type_=pull_tasks.c[c].type) for c in columns
     ]
     chosen = select(*values).where(task_types.c.task_type == bindparam("task_type"))
     statement = insert_of(pull_tasks).from_select(columns, chosen)
     if skip_taken:
-        statement = statement.on_conflict_do_nothing(index_elements=[pull_tasks.c.task_id]).returning(pull_tasks.c.task_id)
-    settings = [pull_tasks.c[c] for c in sorted(_FROM_TYPE)]
-    return statement.returning(*settings) if returning else statement
+        statement = statement.on_conflict_do_nothing(index_elements=[pull_tasks.c.task_id])
+    returned = (["task_id"] if skip_taken else []) + list(TYPE_SETTINGS)
+    return statement.returning(*(pull_tasks.c[c] for c in returned)) if returning else statement
 
 
 def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:

@@ -149,17 +149,22 @@ def test_an_unreadable_message_is_dropped(running: RunningSteps, task: str, payl
 
 
 class Delivery(KombuMessage):
-    """A message as kombu hands it over (decompressed, not decoded), that counts its acknowledgements."""
+    """A message as kombu hands it over (decompressed, not decoded), that counts its acknowledgements
+    and the decodes it was left to (kombu's json, where orjson is not exact or not meant for it)."""
 
     def __init__(self, body: bytes | str, content_type: str, **headers: Any) -> None:
         super().__init__(
             body=body, content_type=content_type, content_encoding="utf-8", accept=prepare_accept_content(["json"]),
             headers={"task": STEP_TASK, "id": "delivery-1", "timelimit": (26.0, 25.0), **headers},
         )
-        self.acks = 0
+        self.acks = self.kombu_decodes = 0
 
     def ack(self, multiple: bool = False) -> None:
         self.acks += 1
+
+    def decode(self) -> Any:
+        self.kombu_decodes += 1
+        return super().decode()
 
 
 def decoded_step(running: RunningSteps, delivery: Delivery) -> StepMessage:
@@ -180,15 +185,20 @@ def test_a_delivery_s_json_body_is_decoded_exactly_and_its_step_run(
 ) -> None:
     payload = STEP.to_payload() | {"parameters": parameters}
     for data in (json_text(body(payload)), json_text(body(payload)).decode()):
-        step = decoded_step(running, Delivery(data, JSON))
+        delivery = Delivery(data, JSON)
+        step = decoded_step(running, delivery)
         assert step == StepMessage.from_payload(payload) and step.parameters == parameters
+        assert delivery.kombu_decodes == (parameters is EXACT)  # orjson for the rest
 
 
 def test_a_compressed_body_is_kombu_s_to_decode(running: RunningSteps) -> None:
-    text = json.dumps(body(STEP.to_payload() | {"parameters": EXACT})).encode()
+    parameters = {"name": "ä", "n": 2**40}
+    text = json.dumps(body(STEP.to_payload() | {"parameters": parameters})).encode()
     _, compression = compress(text, "zlib")
     # As kombu hands it over: the body decompressed, its header kept.
-    assert decoded_step(running, Delivery(text, JSON, compression=compression)).parameters == EXACT
+    delivery = Delivery(text, JSON, compression=compression)
+    assert decoded_step(running, delivery).parameters == parameters
+    assert delivery.kombu_decodes == 1
 
 
 @pytest.mark.parametrize(
