@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 from billiard.exceptions import WorkerLostError
@@ -476,6 +477,10 @@ class CeleryPublisher:
         # Redis reads level 0 first, RabbitMQ the highest: the same order either way.
         self._inverted = url.startswith(("redis", "rediss"))
         self._line = ConfirmedLine(app) if url.startswith(("amqp", "pyamqp")) else None
+        # Read once: each lookup in Celery's configuration costs more than the message's own fields.
+        self._delivery_mode = app.conf.task_default_delivery_mode
+        self._retry_policy = app.conf.task_publish_retry_policy
+        self._templates: dict[tuple[int, str], tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
 
     def healthy(self) -> bool:
         return time.monotonic() >= self._paused_until
@@ -540,26 +545,28 @@ class CeleryPublisher:
         soft_time_limit: float | None = None,
         producer: Any = None,
     ) -> None:
-        """Publish a Celery task message, built by Celery, through kombu's producer.
+        """Publish a Celery task message, as Celery builds it, through kombu's producer.
 
         This is what ``send_task`` does for a named queue, without what it adds per
         message: routing, publish signals, and kombu binding a copy of the queue to
-        find it declared already. 82 us of CPU a message against 171
-        (benchmarks/README.md). The queue is declared once per connection: kombu
-        forgets its declarations when it connects again.
+        find it declared already. The queue is declared once per connection: kombu
+        forgets its declarations when it connects again. The headers are Celery's
+        own, made once per task name and process (:meth:`_template`), with each
+        message's id, time limits and description set (benchmarks/README.md, "A
+        step's message from a template").
         """
-        headers, properties, body, _ = self.app.amqp.create_task_message(
-            uuid(),
-            task,
-            [payload],
-            None,
-            time_limit=time_limit,
-            soft_time_limit=soft_time_limit,
-            argsrepr=argsrepr,
-            kwargsrepr="",
-        )
+        task_id = uuid()
+        headers, properties, embed = self._template(task)
+        headers = headers | {
+            "id": task_id,
+            "root_id": task_id,
+            "timelimit": [time_limit, soft_time_limit],
+            "argsrepr": argsrepr,
+        }
+        properties = properties | {"correlation_id": task_id}
+        body: tuple[list[Any], dict[str, Any], dict[str, Any]] = ([payload], {}, embed)
         declared = self.app.amqp.queues[queue]
-        with self.app.producer_or_acquire(producer) as sender:
+        with nullcontext(producer) if producer is not None else self.app.producer_or_acquire() as sender:
             sender.publish(
                 # Encoded here, by orjson, in a tenth of the CPU of kombu's json serializer
                 # (the first step's message carries the task's row); the same JSON text.
@@ -570,17 +577,30 @@ class CeleryPublisher:
                 routing_key=queue,
                 headers=headers,
                 priority=priority,
-                delivery_mode=self.app.conf.task_default_delivery_mode,
+                delivery_mode=self._delivery_mode,
                 declare=[] if hash(declared) in sender.connection.declared_entities else [declared],
                 # Not on a ConfirmedLine's producer: kombu would reconnect it under the line,
                 # on a channel not in confirm mode. The line tries again itself.
                 retry=producer is None,
-                retry_policy=self.app.conf.task_publish_retry_policy,
+                retry_policy=self._retry_policy,
                 # A confirm that never comes (RabbitMQ's resource alarm) fails the publish
                 # instead of holding the caller's thread: the sweep publishes it later.
                 confirm_timeout=self.CONFIRM_TIMEOUT,
                 **properties,
             )
+
+    def _template(self, task: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """Celery's headers, properties and embedded options of a ``task`` message without arguments.
+
+        Made by Celery in each process (its ``origin`` header names the process), so
+        the messages carry every header Celery's own would, in the form it reads.
+        """
+        key = (os.getpid(), task)
+        made = self._templates.get(key)
+        if made is None:
+            headers, properties, body, _ = self.app.amqp.create_task_message("", task, [], None, kwargsrepr="")
+            made = self._templates[key] = (headers, properties, body[2])
+        return made
 
     def _level(self, message: StepMessage) -> int:
         level = delivery_priority(message)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import Callable
 
 import fakeredis
@@ -42,6 +44,37 @@ def test_a_step_message_lands_on_its_module_list_as_a_celery_step_task(
     assert envelope["properties"]["delivery_info"]["routing_key"] == "asyncflow.alpha"
     (payload,) = task_args(envelope)
     assert StepMessage.from_payload(payload) == message
+
+
+def test_each_message_is_the_one_celery_would_build_for_it(
+    make_publisher: MakePublisher, redis_client: fakeredis.FakeRedis
+) -> None:
+    # Built from a template Celery made once (CeleryPublisher._template): every header,
+    # property and embedded option as Celery's own message for the same id has them.
+    publisher = make_publisher()
+    sent = [step_message("alpha", seq=seq) for seq in (1, 2)]
+    for message in sent:
+        publisher.publish(message)
+
+    stored = envelopes(redis_client, "asyncflow.alpha")
+    assert len({e["headers"]["id"] for e in stored}) == 2
+    for envelope, message in zip(stored, sent, strict=True):
+        task_id, (limit, soft) = envelope["headers"]["id"], envelope["headers"]["timelimit"]
+        (payload,) = task_args(envelope)
+        assert StepMessage.from_payload(payload) == message
+        headers, properties, body, _ = publisher.app.amqp.create_task_message(
+            task_id,
+            STEP_TASK,
+            [payload],
+            None,
+            time_limit=limit,
+            soft_time_limit=soft,
+            argsrepr=f"{message.task_id} step {message.cursor} seq {message.seq}",
+            kwargsrepr="",
+        )
+        assert envelope["headers"] == headers
+        assert {k: envelope["properties"][k] for k in properties} == properties
+        assert json.loads(base64.b64decode(envelope["body"])) == json.loads(json.dumps(body))
 
 
 @pytest.mark.parametrize(
