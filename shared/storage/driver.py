@@ -1,4 +1,5 @@
-"""PostgreSQL's hot statements run on psycopg's cursor, past SQLAlchemy's execution layer.
+"""PostgreSQL's hot statements run on psycopg's cursor, past SQLAlchemy's execution layer;
+a transition on libpq's own call, past psycopg's cursor too (:meth:`DriverStatement.count`).
 
 A step costs one read and one write, each a single statement. Per call,
 SQLAlchemy's Connection, its transaction block, execution context and result
@@ -12,8 +13,10 @@ checkout checks (the idle ping) and fork handling apply as before.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
+import re
 import threading
 import time
 import weakref
@@ -23,6 +26,9 @@ from typing import Any, cast
 from weakref import WeakKeyDictionary
 
 import psycopg
+from psycopg.adapt import PyFormat, Transformer
+from psycopg.pq import ConnStatus, ExecStatus
+from psycopg.pq.abc import PGresult
 from psycopg.rows import dict_row
 from sqlalchemy import Engine, event
 from sqlalchemy.exc import DBAPIError, DisconnectionError
@@ -56,6 +62,7 @@ class DriverStatement:
         self._names: list[tuple[str, Callable[[Any], Any] | None]] = []
         # The statement's own literals (``status == 1``) became parameters with their value.
         self._fixed: dict[str, Any] = {}
+        self._numbered: tuple[bytes, list[str]] | None = None  # for count(), made at its first run
         for bind, name in compiled.bind_names.items():  # each parameter under the name the SQL gives it
             convert = bind.type.dialect_impl(dialect).bind_processor(dialect)
             if bind.required:
@@ -89,15 +96,112 @@ class DriverStatement:
             _drop_prepared(cursor)
             return cursor.execute(self.sql, self.params(values), prepare=True)
 
+    def count(self, cursor: psycopg.Cursor[dict[str, Any]], values: Mapping[str, Any]) -> int:
+        """Run it, prepared, on libpq itself: the integer in its one row, 0 without a row.
+
+        For a transition, whose answer is one number: psycopg's cursor costs about
+        50 µs more CPU per execution than libpq's own call with the same parameters,
+        dumped by psycopg's Transformer as the cursor dumps them (benchmarks/README.md,
+        "A transition on libpq"). Errors are psycopg's, as the cursor raises them. In
+        autocommit only: a refused statement then leaves no transaction behind.
+        """
+        conn = cursor.connection
+        assert conn.autocommit, "count() runs in autocommit"
+        if self._numbered is None:
+            self._numbered = _numbered(self.sql)
+        sql, order = self._numbered
+        params = self.params(values)
+        own = _own_prepared.get(conn)
+        if own is None:
+            own = _own_prepared[conn] = _OwnPrepared()
+        dump = Transformer(conn)  # psycopg's dumpers of this connection, as its cursor uses them
+        dumped = dump.dump_sequence([params[name] for name in order], [PyFormat.AUTO] * len(order))
+        # The types are part of the prepared statement: an integer may be dumped as int2 or int8.
+        types, formats = dump.types or (), dump.formats
+        key = (self, types)
+        pgconn = conn.pgconn
+        with conn.lock:
+            own.runs += 1
+            if own.runs > PREPARED_RUNS:
+                own.drop(conn)
+            for last_try in (False, True):
+                name = own.names.get(key)
+                if name is None:
+                    name = own.names[key] = b"af_%d" % next(own.made)
+                    _answer(conn, pgconn.prepare(name, sql, types), ExecStatus.COMMAND_OK)
+                try:
+                    executed = pgconn.exec_prepared(name, cast(Sequence[bytes], dumped), formats)
+                    result = _answer(conn, executed, ExecStatus.TUPLES_OK)
+                    break
+                except psycopg.errors.InvalidSqlStatementName:
+                    # Dropped behind our back (a DEALLOCATE ALL not sent by _drop_prepared): made again.
+                    if last_try:
+                        raise
+                    own.names.clear()
+        return int(result.get_value(0, 0) or 0) if result.ntuples else 0
+
+
+class _OwnPrepared:
+    """The statements :meth:`DriverStatement.count` prepared on one connection, out of psycopg's sight.
+
+    psycopg's record of the statements it prepared is not told of these: they are
+    dropped here, by name, every PREPARED_RUNS of their executions, and forgotten
+    when :func:`_drop_prepared` drops every statement of the connection.
+    """
+
+    def __init__(self) -> None:
+        self.names: dict[tuple[DriverStatement, tuple[int, ...]], bytes] = {}
+        self.made = itertools.count()
+        self.runs = 0
+
+    def drop(self, conn: psycopg.Connection[Any]) -> None:
+        for name in self.names.values():
+            try:
+                _answer(conn, conn.pgconn.exec_(b"DEALLOCATE " + name), ExecStatus.COMMAND_OK)
+            except psycopg.errors.InvalidSqlStatementName:
+                pass  # gone already
+        self.names.clear()
+        self.runs = 1
+
+
+def _numbered(sql: bytes) -> tuple[bytes, list[str]]:
+    """``sql`` with ``%(name)s`` placeholders as libpq's ``$1``..., and the names in that order."""
+    order: list[str] = []
+
+    def number(match: re.Match[bytes]) -> bytes:
+        name = match.group(1).decode()
+        if name not in order:
+            order.append(name)
+        return b"$%d" % (order.index(name) + 1)
+
+    return _PLACEHOLDER.sub(lambda m: b"%" if m.group(0) == b"%%" else number(m), sql), order
+
+
+_PLACEHOLDER = re.compile(rb"%%|%\((\w+)\)s")
+
+
+def _answer(conn: psycopg.Connection[Any], result: PGresult, expected: ExecStatus) -> PGresult:
+    """``result`` if it has the status expected; otherwise the error psycopg's cursor would raise."""
+    if result.status == expected:
+        return result
+    if conn.pgconn.status == ConnStatus.BAD:  # the connection is gone, not the statement refused
+        raise psycopg.OperationalError(conn.pgconn.get_error_message() or "connection lost")
+    raise psycopg.errors.error_from_result(result, conn.info.encoding)
+
 
 def _drop_prepared(cursor: psycopg.Cursor[dict[str, Any]]) -> None:
     """Drop the connection's prepared statements; the statement run next is its first since."""
     cursor.execute(b"DEALLOCATE ALL")  # psycopg forgets its own record of them on seeing it
     _prepared_runs[cursor.connection] = 1
+    own = _own_prepared.get(cursor.connection)
+    if own is not None:
+        own.names.clear()  # those of DriverStatement.count, of which psycopg knows nothing
 
 
 # Executions of prepared statements on each connection since they were last dropped.
 _prepared_runs: WeakKeyDictionary[psycopg.Connection[Any], int] = WeakKeyDictionary()
+# The statements DriverStatement.count prepared on each connection.
+_own_prepared: WeakKeyDictionary[psycopg.Connection[Any], _OwnPrepared] = WeakKeyDictionary()
 
 
 def prepare_on_request(engine: Engine) -> None:

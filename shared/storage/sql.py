@@ -472,8 +472,7 @@ class PostgresStore(SqlStore):
             params |= _attempt_params(next_attempt, NEXT_ATTEMPT_PREFIX)
         statement = self._save[kind]
         with autocommit_cursor(self.connections) as cursor:  # one statement: atomic on its own
-            row = statement.run(cursor, params).fetchone()
-        return row is not None and next(iter(row.values())) == 1
+            return statement.count(cursor, params) == 1
 
 
 # A pooled connection unused for this long is pinged before use; one in steady use is not.

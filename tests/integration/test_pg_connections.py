@@ -8,8 +8,10 @@ import signal
 import time
 import uuid
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from shared.config import Settings
@@ -197,6 +199,89 @@ def test_only_the_hot_statements_are_prepared_and_they_are_prepared_anew_every_p
         store.close()
 
 
+def test_a_transition_prepared_on_libpq_is_made_again_every_prepared_runs_and_after_the_cursors_deallocate(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transition runs on libpq (DriverStatement.count), prepared out of psycopg's
+    sight: dropped by name every PREPARED_RUNS of its executions, forgotten when the
+    read's DEALLOCATE ALL (the cursor's own cycle) drops it, and prepared again when
+    something else dropped it behind the store's back."""
+    monkeypatch.setattr(driver_module, "PREPARED_RUNS", 3)
+    store = PostgresStore(postgres_url)
+
+    def ours() -> list[str]:
+        with autocommit_cursor(store.connections) as cursor:
+            rows = cursor.execute("SELECT name FROM pg_prepared_statements WHERE name LIKE 'af%%'").fetchall()
+            return sorted(row["name"] for row in rows)
+
+    try:
+        task, _ = store.create(submitted(f"libpq-{uuid.uuid4().hex}"), NOW)
+        seen: set[str] = set()
+        for i in range(12):
+            assert store.save(replace(task, message=f"m{i}"), NOW + i) is True
+            task = replace(task, message=f"m{i}", version=task.version + 1)
+            assert store.get(task.task_id) == task  # the cursor's read, prepared; every 4th run drops them all
+            now_prepared = ours()
+            assert len(now_prepared) <= 1, now_prepared  # never more than the one in use
+            seen.update(now_prepared)
+        assert len(seen) > 2  # made again, under a new name, several times
+        with autocommit_cursor(store.connections) as cursor:
+            cursor.execute("DEALLOCATE ALL")  # not the store's: it does not know
+        assert store.save(replace(task, message="after"), NOW + 30) is True
+        task = replace(task, message="after", version=task.version + 1)
+        assert store.save(replace(task, version=task.version - 1, message="stale"), NOW + 20) is False
+        assert store.get(task.task_id) == task
+    finally:
+        store.close()
+
+
+def test_a_transition_whose_parameters_change_type_is_prepared_once_per_types(postgres_url: str) -> None:
+    """An integer goes as int2 or int4 by its size, None as an unknown: each set of
+    parameter types is a statement of its own, as psycopg's cursor would prepare it."""
+    store = PostgresStore(postgres_url)
+    try:
+        task, _ = store.create(submitted(f"types-{uuid.uuid4().hex}", priority=1), NOW)
+        for priority, message in [(2, "small"), (70_000, "larger"), (3, None), (70_000, "larger again")]:
+            assert store.save(replace(task, priority=priority, message=message), NOW + 1) is True
+            task = replace(task, priority=priority, message=message, version=task.version + 1)
+            assert store.get(task.task_id) == task
+    finally:
+        store.close()
+
+
+def test_a_transition_on_a_dead_connection_raises_storage_unavailable_and_the_next_gets_a_new_one(
+    postgres_url: str,
+) -> None:
+    store = PostgresStore(postgres_url)
+    try:
+        task, _ = store.create(submitted(f"dead-{uuid.uuid4().hex}"), NOW)
+        assert store.save(replace(task, message="before"), NOW + 1) is True
+        task = replace(task, message="before", version=task.version + 1)
+        backend = kept_backend(store)
+        terminate(backend)
+        with pytest.raises(StorageUnavailable):  # no ping (idle < 2 s): the transition finds it dead
+            store.save(replace(task, message="lost"), NOW + 2)
+        assert store.engine.pool.checkedout() == 0  # discarded, not kept
+        assert store.save(replace(task, message="after"), NOW + 3) is True
+        assert kept_backend(store) != backend
+        assert store.get(task.task_id) == replace(task, message="after", version=task.version + 1)
+    finally:
+        store.close()
+
+
+def test_a_transition_the_database_refuses_raises_psycopgs_error_and_keeps_the_connection(postgres_url: str) -> None:
+    store = PostgresStore(postgres_url)
+    try:
+        task, _ = store.create(submitted(f"refused-{uuid.uuid4().hex}"), NOW)
+        backend = kept_backend(store)
+        with pytest.raises(psycopg.errors.NumericValueOutOfRange):  # the column is an integer
+            store.save(replace(task, priority=2**40 * 2**30), NOW + 1)
+        assert kept_backend(store) == backend  # a refused statement does not cost the connection
+        assert store.save(replace(task, message="fine"), NOW + 2) is True
+    finally:
+        store.close()
+
+
 def test_a_statement_kept_prepared_runs_on_after_a_migration_changes_a_column_it_returns() -> None:
     """Migration 0007 changes the type of af_tasks.steps under running processes:
     PostgreSQL refuses a statement prepared before that returns the column
@@ -282,3 +367,19 @@ def test_a_connection_in_use_when_the_store_closes_goes_back_to_the_pool_afterwa
         store.close()
         cursor.execute("SELECT 1")
     assert store.engine.pool.checkedout() == 0
+
+
+def test_a_connection_that_ran_transitions_is_freed_once_closed(postgres_url: str) -> None:
+    """What DriverStatement.count keeps per connection does not keep the connection alive."""
+    store = PostgresStore(postgres_url)
+    try:
+        task, _ = store.create(submitted(f"freed-{uuid.uuid4().hex}"), NOW)
+        assert store.save(replace(task, message="x"), NOW + 1) is True
+        with autocommit_cursor(store.connections) as cursor:
+            conn = weakref.ref(cursor.connection)
+    finally:
+        store.close()
+    store.engine.dispose()
+    del cursor
+    gc.collect()
+    assert conn() is None
