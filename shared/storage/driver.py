@@ -127,14 +127,17 @@ class DriverStatement:
             for last_try in (False, True):
                 name = own.names.get(key)
                 if name is None:
-                    name = own.names[key] = b"af_%d" % next(own.made)
+                    name = b"af_%d" % next(own.made)
                     _answer(conn, pgconn.prepare(name, sql, types), ExecStatus.COMMAND_OK)
+                    own.names[key] = name  # only once it exists: a refused prepare leaves no name behind
                 try:
                     executed = pgconn.exec_prepared(name, cast(Sequence[bytes], dumped), formats)
                     result = _answer(conn, executed, ExecStatus.TUPLES_OK)
                     break
                 except psycopg.errors.InvalidSqlStatementName:
-                    # Dropped behind our back (a DEALLOCATE ALL not sent by _drop_prepared): made again.
+                    # Dropped behind our back: psycopg sends DEALLOCATE ALL of its own after it rolls
+                    # back a transaction on a connection where it prepared statements (a batch
+                    # insert that failed). Made again, at the cost of one refused execution.
                     if last_try:
                         raise
                     own.names.clear()
@@ -145,8 +148,9 @@ class _OwnPrepared:
     """The statements :meth:`DriverStatement.count` prepared on one connection, out of psycopg's sight.
 
     psycopg's record of the statements it prepared is not told of these: they are
-    dropped here, by name, every PREPARED_RUNS of their executions, and forgotten
-    when :func:`_drop_prepared` drops every statement of the connection.
+    dropped here, by name, every PREPARED_RUNS of their executions and when the
+    connection goes back to the pool, and forgotten when :func:`_drop_prepared`
+    drops every statement of the connection.
     """
 
     def __init__(self) -> None:
@@ -330,9 +334,15 @@ class KeptConnections:
 
     @staticmethod
     def _return(kept: Kept) -> None:
+        conn: psycopg.Connection[Any] = kept.pooled.driver_connection  # type: ignore[assignment]
         try:
             kept.cursor.close()
-            kept.pooled.driver_connection.autocommit = False  # type: ignore[union-attr]
+            own = _own_prepared.pop(conn, None)
+            if own is not None:
+                # Dropped, not left to a rollback in the pool: psycopg's DEALLOCATE ALL there
+                # would drop them unseen, and their next execution would be refused once.
+                own.drop(conn)
+            conn.autocommit = False
         except psycopg.Error as exc:
             kept.pooled.invalidate(exc)
         kept.pooled.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from sqlalchemy import Column, Integer, MetaData, Table, bindparam, func, select
 
 from shared.config import Settings
 from shared.consumer import StepConsumer
@@ -383,3 +384,42 @@ def test_a_connection_that_ran_transitions_is_freed_once_closed(postgres_url: st
     del cursor
     gc.collect()
     assert conn() is None
+
+
+def test_a_kept_connection_goes_back_to_the_pool_without_the_transitions_statements(postgres_url: str) -> None:
+    """A rollback in the pool makes psycopg drop every statement of the connection,
+    unseen by DriverStatement.count: its own are dropped before, by name."""
+    store = PostgresStore(postgres_url)
+    try:
+        task, _ = store.create(submitted(f"pooled-{uuid.uuid4().hex}"), NOW)
+        assert store.save(replace(task, message="kept"), NOW + 1) is True
+        backend = kept_backend(store)
+        store.connections.release()  # every kept connection back to the pool
+        with store.engine.connect() as conn:  # the same connection, from the pool
+            assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one() == backend
+            names = conn.exec_driver_sql("SELECT name FROM pg_prepared_statements").scalars().all()
+        assert not [name for name in names if name.startswith("af_")]
+    finally:
+        store.close()
+
+
+def test_a_transition_whose_prepare_is_refused_leaves_no_name_behind(postgres_url: str) -> None:
+    """A statement PostgreSQL cannot prepare yet (a table a migration is about to
+    create) is refused, and prepared once it can be."""
+    table = f"af_later_{uuid.uuid4().hex[:8]}"
+    later = Table(table, MetaData(), Column("n", Integer))
+    store = PostgresStore(postgres_url)
+    statement = driver_module.DriverStatement(
+        select(func.count()).select_from(later).where(later.c.n == bindparam("n")), store.engine, prepared=True
+    )
+    try:
+        with autocommit_cursor(store.connections) as cursor:
+            with pytest.raises(psycopg.errors.UndefinedTable):
+                statement.count(cursor, {"n": 1})
+            assert not driver_module._own_prepared[cursor.connection].names
+            cursor.execute(f"CREATE TABLE {table} (n integer)")
+            cursor.execute(f"INSERT INTO {table} VALUES (1), (1), (2)")
+            assert statement.count(cursor, {"n": 1}) == 2
+            cursor.execute(f"DROP TABLE {table}")
+    finally:
+        store.close()
