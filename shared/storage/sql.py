@@ -402,7 +402,7 @@ class PostgresStore(SqlStore):
     (autocommit), and a transition's task update and attempt write are one
     statement, the attempt write a data-modifying CTE that runs only if the
     compare-and-set matched. Round trips, not CPU, are what a step costs here.
-    These statements run on psycopg's cursor (:mod:`shared.storage.driver`).
+    These statements run on psycopg's cursor, a transition on libpq's own call (:mod:`shared.storage.driver`).
     """
 
     reads_autocommit = True
