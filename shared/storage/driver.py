@@ -62,13 +62,14 @@ class DriverStatement:
         self._names: list[tuple[str, Callable[[Any], Any] | None]] = []
         # The statement's own literals (``status == 1``) became parameters with their value.
         self._fixed: dict[str, Any] = {}
-        self._numbered: tuple[bytes, list[str]] | None = None  # for count(), made at its first run
         for bind, name in compiled.bind_names.items():  # each parameter under the name the SQL gives it
             convert = bind.type.dialect_impl(dialect).bind_processor(dialect)
             if bind.required:
                 self._names.append((name, convert))
             else:
                 self._fixed[name] = bind.effective_value if convert is None else convert(bind.effective_value)
+        # For count(): the SQL with libpq's $1..., and the parameter names in that order.
+        self._numbered_sql, self._order = _numbered(self.sql)
 
     def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """The statement's parameters out of ``values``, converted as SQLAlchemy would."""
@@ -107,9 +108,7 @@ class DriverStatement:
         """
         conn = cursor.connection
         assert conn.autocommit, "count() runs in autocommit"
-        if self._numbered is None:
-            self._numbered = _numbered(self.sql)
-        sql, order = self._numbered
+        sql, order = self._numbered_sql, self._order
         params = self.params(values)
         own = _own_prepared.get(conn)
         if own is None:

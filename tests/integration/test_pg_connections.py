@@ -246,6 +246,9 @@ def test_a_transition_whose_parameters_change_type_is_prepared_once_per_types(po
             assert store.save(replace(task, priority=priority, message=message), NOW + 1) is True
             task = replace(task, priority=priority, message=message, version=task.version + 1)
             assert store.get(task.task_id) == task
+        with autocommit_cursor(store.connections) as cursor:
+            rows = cursor.execute("SELECT count(*) AS n FROM pg_prepared_statements WHERE name LIKE 'af%%'").fetchall()
+        assert rows[0]["n"] == 2  # int2 and int4 priorities; None and text are both sent untyped
     finally:
         store.close()
 
