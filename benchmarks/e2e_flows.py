@@ -28,18 +28,14 @@ its processes died (3), or the run was interrupted (130).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode, urlsplit
-
-import orjson
+from urllib.parse import urlencode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import (  # noqa: E402
@@ -52,6 +48,7 @@ from figures import (  # noqa: E402
     print_report,
     summary_head,
 )
+from loadgen import KeepAlive  # noqa: E402
 from runner import Run, add_keep_options, check_positive, guarded, measure, run_parser  # noqa: E402
 from stack import SetupError, Stack, log, machine_info, make_backend  # noqa: E402
 
@@ -62,65 +59,40 @@ FLOW = "noop"
 
 
 class Api:
-    """The load generator's HTTP side: one keep-alive connection per thread, on the stdlib.
+    """The load generator's side of the API (:mod:`loadgen`: its clients share the measured cores).
 
-    The clients share the two measured cores with the stack, so what they cost
-    counts against Asyncflow: httpx spends about three times the CPU of
-    ``http.client`` with orjson on a submit (benchmarks/README.md, "The load
-    generator's own cost"). Each submit names its task: sent again after a dropped
-    connection, it is a replay (answered 200), never a second flow.
+    Each submit names its task: sent again on a new connection, it would be a
+    replay (answered 200), never a second flow.
     """
 
     def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
-        self._local = threading.local()
-
-    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        """(status, the JSON answer); a connection the server closed meanwhile is opened again, once."""
-        payload = orjson.dumps(body) if body is not None else None
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        for last_try in (False, True):
-            conn = getattr(self._local, "conn", None)
-            if conn is None:
-                conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
-            try:
-                conn.request(method, path, body=payload, headers=headers)
-                response = conn.getresponse()
-                data = response.read()
-            except (OSError, http.client.HTTPException):
-                conn.close()
-                self._local.conn = None
-                if last_try:
-                    raise
-                continue
-            return response.status, orjson.loads(data) if data else None
-        raise AssertionError("unreachable")
+        self.http = KeepAlive(url, timeout=30)
 
     def submit(self, user_id: str) -> tuple[str, float]:
         """POST one noop flow; returns (task_id, seconds the request took)."""
         task_id = uuid.uuid4().hex
+        body = {"flow": FLOW, "parameters": {}, "user_id": user_id, "task_id": task_id}
         t0 = time.perf_counter()
-        status, answer = self.call("POST", "/api/tasks", {"flow": FLOW, "parameters": {}, "user_id": user_id, "task_id": task_id})
+        status, answer = self.http.call("POST", "/api/tasks", body)
         elapsed = time.perf_counter() - t0
         if status not in (200, 201):
             raise RuntimeError(f"submit answered {status}: {str(answer)[:300]}")
         return task_id, elapsed
 
     def get(self, task_id: str) -> dict[str, Any]:
-        status, answer = self.call("GET", f"/api/tasks/{task_id}")
-        if status != 200:
-            raise RuntimeError(f"GET /api/tasks/{task_id} answered {status}: {str(answer)[:300]}")
-        return answer
+        return self._read(f"/api/tasks/{task_id}")
 
     def any_with_status(self, user_id: str, status: int) -> bool:
-        code, answer = self.call("GET", f"/api/tasks?{urlencode({'user_id': user_id, 'status': status, 'limit': 1})}")
-        if code != 200:
-            raise RuntimeError(f"GET /api/tasks answered {code}: {str(answer)[:300]}")
-        return bool(answer["tasks"])
+        return bool(self._read(f"/api/tasks?{urlencode({'user_id': user_id, 'status': status, 'limit': 1})}")["tasks"])
 
     def all_stopped(self, user_id: str) -> bool:
         return not any(self.any_with_status(user_id, s) for s in (1, 2, 3))
+
+    def _read(self, path: str) -> Any:
+        status, answer = self.http.call("GET", path)
+        if status != 200:
+            raise RuntimeError(f"GET {path} answered {status}: {str(answer)[:300]}")
+        return answer
 
 
 def warm_up(api: Api, stack: Stack, timeout: float) -> float:

@@ -30,10 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import pct  # noqa: E402
+from loadgen import KeepAlive  # noqa: E402
 from stack import SetupError, Stack, log, machine_info, make_backend, servers_cpu  # noqa: E402
 
 
@@ -41,29 +40,32 @@ def client_loop(job: tuple[str, str, int, float, int]) -> tuple[int, int, list[f
     url, kind, batch, seconds, client = job
     created = errors = 0
     latencies: list[float] = []
-    with httpx.Client(base_url=url, timeout=60) as http:
+    http = KeepAlive(url)
+    try:
         end = time.monotonic() + seconds
         n = 0
         while time.monotonic() < end:
             n += 1
             t0 = time.perf_counter()
             if kind == "single":
-                answer = http.post("/api/tasks", json={"flow": "noop", "parameters": {"client": client, "n": n}})
-                ok = answer.status_code == 201
+                status, answer = http.call("POST", "/api/tasks", {"flow": "noop", "parameters": {"client": client, "n": n}})
+                ok = status == 201
                 count = 1
             elif kind == "batch":
                 body = {"tasks": [{"flow": "noop", "parameters": {"client": client, "n": n}}] * batch}
-                answer = http.post("/api/batches", json=body)
-                ok = answer.status_code == 200
-                count = sum(t["created"] for t in answer.json()["tasks"]) if ok else 0
+                status, answer = http.call("POST", "/api/batches", body)
+                ok = status == 200
+                count = sum(t["created"] for t in answer["tasks"]) if ok else 0
             else:
                 body = {"task_list": [{"task_type": V1_TYPE, "task_content": "y" * 60}] * batch}
-                reply = http.post("/v1/create_tasks", json=body).json()
+                _, reply = http.call("POST", "/v1/create_tasks", body)
                 ok = reply.get("code") == 0
                 count = len(reply["task_id_list"]) if ok else 0
             latencies.append(time.perf_counter() - t0)
             created += count
             errors += not ok
+    finally:
+        http.close()
     return created, errors, latencies
 
 
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.spawn("api", "api", "--port", str(stack.port), "--workers", str(args.api_workers))
         stack.wait_healthy(60)
         body = {"task_type_data": {"task_type": V1_TYPE}}
-        if httpx.post(stack.url + "/v1/register_task_type", json=body).json()["code"] != 0:
+        if KeepAlive(stack.url).call("POST", "/v1/register_task_type", body)[1]["code"] != 0:
             raise SetupError("register_task_type failed")
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
             warm = [(stack.url, kind, 2, 0.5, c) for kind in phases for c in range(args.clients)]
