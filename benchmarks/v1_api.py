@@ -40,6 +40,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import pct  # noqa: E402
+from loadgen import KeepAlive  # noqa: E402
 from stack import Backend, SetupError, Stack, log, machine_info, servers_cpu, setup_postgres  # noqa: E402
 
 SEED = {"create_task": 3000, "hold_tasks": 2000}
@@ -60,16 +61,19 @@ def client_loop(args: tuple[str, str, dict[str, Any], float]) -> tuple[int, int,
     url, path, body, seconds = args
     ok = errors = 0
     latencies: list[float] = []
-    with httpx.Client(base_url=url, timeout=30) as http:
+    http = KeepAlive(url, timeout=30)
+    try:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             t0 = time.perf_counter()
-            answer = http.post(path, json=body).json()
+            _, answer = http.call("POST", path, body)
             latencies.append(time.perf_counter() - t0)
             if answer.get("code") == 0:
                 ok += 1
             else:
                 errors += 1
+    finally:
+        http.close()
     return ok, errors, latencies
 
 
