@@ -73,7 +73,7 @@ class Api:
         task_id = uuid.uuid4().hex
         body = {"flow": FLOW, "parameters": {}, "user_id": user_id, "task_id": task_id}
         t0 = time.perf_counter()
-        status, answer = self.http.call("POST", "/api/tasks", body)
+        status, answer = self.http.call("POST", "/api/tasks", body, repeatable=True)
         elapsed = time.perf_counter() - t0
         if status not in (200, 201):
             raise RuntimeError(f"submit answered {status}: {str(answer)[:300]}")

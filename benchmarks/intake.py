@@ -59,7 +59,7 @@ def client_loop(job: tuple[str, str, int, float, int]) -> tuple[int, int, list[f
             else:
                 body = {"task_list": [{"task_type": V1_TYPE, "task_content": "y" * 60}] * batch}
                 _, reply = http.call("POST", "/v1/create_tasks", body)
-                ok = reply.get("code") == 0
+                ok = isinstance(reply, dict) and reply.get("code") == 0
                 count = len(reply["task_id_list"]) if ok else 0
             latencies.append(time.perf_counter() - t0)
             created += count
@@ -141,8 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         stack.spawn("api", "api", "--port", str(stack.port), "--workers", str(args.api_workers))
         stack.wait_healthy(60)
         body = {"task_type_data": {"task_type": V1_TYPE}}
-        if KeepAlive(stack.url).call("POST", "/v1/register_task_type", body)[1]["code"] != 0:
-            raise SetupError("register_task_type failed")
+        setup = KeepAlive(stack.url)
+        _, reply = setup.call("POST", "/v1/register_task_type", body)
+        setup.close()
+        if not isinstance(reply, dict) or reply.get("code") != 0:
+            raise SetupError(f"register_task_type failed: {reply}")
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
             warm = [(stack.url, kind, 2, 0.5, c) for kind in phases for c in range(args.clients)]
             warm_up = sum(r[0] for r in pool.map(client_loop, warm))

@@ -1,9 +1,10 @@
 """The load generators' HTTP client: keep-alive connections on the stdlib, JSON by orjson.
 
 The benchmarks' clients run on the two cores they measure, so what a client
-spends on a request counts against the stack under test. httpx spends about
-three times the CPU of ``http.client`` with orjson on a submit (benchmarks/README.md,
-"The load generator's own cost"); neither is part of Asyncflow.
+spends on a request counts against the stack under test. With its clients on
+``http.client`` instead of httpx, ``e2e_flows.py``'s own process took about a
+third of the CPU per flow it did (benchmarks/README.md, "The load generator's
+own cost"); neither client is part of Asyncflow.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import orjson
 class KeepAlive:
     """HTTP/1.1 requests to one server, one kept connection per thread.
 
-    A kept connection the server closed while it was idle (uvicorn closes them
-    after 5 s) is opened again and the request sent once more: the server never
-    read it. A failure on a new connection is raised.
+    A request that may be sent twice (a GET, or a POST the caller marks
+    ``repeatable``, such as a submit naming its task) is sent once more on a new
+    connection when its kept one fails: uvicorn closes a connection idle for 5 s.
+    Any other failure is raised: the server may have acted on the request.
     """
 
     def __init__(self, url: str, timeout: float = 60) -> None:
@@ -30,10 +32,11 @@ class KeepAlive:
         self.timeout = timeout
         self._local = threading.local()
 
-    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        """(status, the JSON answer, None if empty)."""
+    def call(self, method: str, path: str, body: Any = None, repeatable: bool = False) -> tuple[int, Any]:
+        """(status, the answer: parsed if it is JSON, else its text; None if empty)."""
         payload = orjson.dumps(body) if body is not None else None
         headers = {"Content-Type": "application/json"} if payload is not None else {}
+        may_resend = repeatable or method == "GET"
         while True:
             conn = getattr(self._local, "conn", None)
             kept = conn is not None
@@ -46,10 +49,11 @@ class KeepAlive:
             except BaseException as exc:
                 conn.close()
                 self._local.conn = None
-                if kept and isinstance(exc, ConnectionError):  # RemoteDisconnected is one
+                if kept and may_resend and isinstance(exc, ConnectionError):  # RemoteDisconnected is one
+                    may_resend = False
                     continue
                 raise
-            return response.status, orjson.loads(data) if data else None
+            return response.status, _answer(data)
 
     def close(self) -> None:
         """Close this thread's connection."""
@@ -57,3 +61,12 @@ class KeepAlive:
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+def _answer(data: bytes) -> Any:
+    if not data:
+        return None
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:  # a plain-text error page, say
+        return data.decode("utf-8", "replace")

@@ -68,7 +68,7 @@ def client_loop(args: tuple[str, str, dict[str, Any], float]) -> tuple[int, int,
             t0 = time.perf_counter()
             _, answer = http.call("POST", path, body)
             latencies.append(time.perf_counter() - t0)
-            if answer.get("code") == 0:
+            if isinstance(answer, dict) and answer.get("code") == 0:
                 ok += 1
             else:
                 errors += 1
