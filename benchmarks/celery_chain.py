@@ -278,7 +278,7 @@ def bench(args: argparse.Namespace, run: Run) -> int:
             "flows_per_s": round(len(done) / window, 1) if window and all_done else None,
             "submit_to_done_ms": dist_ms(e2e, PERCENTILES),
         },
-        "cpu": cpu_figures(m, {k: round(v * per_flow, 2) for k, v in m.cpu.items()}, script=True),
+        "cpu": cpu_figures(m, {k: round(v * per_flow, 2) for k, v in m.cpu.items()}, submits=True),
     }
     print_report(summary)
     status = conclude("celery_chain", args, summary, m, len(done), e2e)

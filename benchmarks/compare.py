@@ -157,20 +157,29 @@ def server_cpu_ms(r: dict[str, Any], server: str) -> float | None:
 
 
 HEADER = (f"{'run':<28}{'flows/s':>9}{'p50 ms':>10}{'p95 ms':>10}{'p99 ms':>10}"
-          f"{'stack CPU':>11}{'pg':>6}{'mq':>6}{'others':>9}{'busy':>7}{'load1':>7}{'exit':>6}")
-UNITS = (f"{'':<28}{'':>9}{'submit->done':>30}{'ms/flow':>11}{'ms/flow':>12}{'CPU-s':>9}{'%':>7}"
+          f"{'stack CPU':>11}{'pg':>6}{'mq':>6}{'script':>8}{'others':>9}{'busy':>7}{'load1':>7}{'exit':>6}")
+UNITS = (f"{'':<28}{'':>9}{'submit->done':>30}{'ms/flow':>11}{'ms/flow':>20}{'CPU-s':>9}{'%':>7}"
          f"{'':>7}{'':>6}")
 
 
+def script_cpu_ms(r: dict[str, Any]) -> float | None:
+    """CPU per flow of the benchmark script: the chain's submits, or Asyncflow's load generator (part of 'others')."""
+    secs = r.get("cpu_script_s", r.get("cpu_client_s"))
+    if secs is None or not r.get("succeeded"):
+        return None
+    return 1000 * secs / r["succeeded"]
+
+
 def row(label: str, r: dict[str, Any], cpu_ms: float | None = None, pg_ms: float | None = None,
-        mq_ms: float | None = None) -> str:
+        mq_ms: float | None = None, script_ms: float | None = None) -> str:
     load = r.get("loadavg_at_start")
     cpu_ms = stack_cpu_ms(r) if cpu_ms is None else cpu_ms
     pg_ms = server_cpu_ms(r, "postgresql") if pg_ms is None else pg_ms
     mq_ms = server_cpu_ms(r, "rabbitmq") if mq_ms is None else mq_ms
+    script_ms = script_cpu_ms(r) if script_ms is None else script_ms
     return (f"{label:<28}{cell(r.get('flows_per_s'), 9)}{cell(r.get('submit_done_p50_ms'), 10)}"
             f"{cell(r.get('submit_done_p95_ms'), 10)}{cell(r.get('submit_done_p99_ms'), 10)}"
-            f"{cell(cpu_ms, 11)}{cell(pg_ms, 6)}{cell(mq_ms, 6)}{cell(r.get('cpu_others_s'), 9, 2)}"
+            f"{cell(cpu_ms, 11)}{cell(pg_ms, 6)}{cell(mq_ms, 6)}{cell(script_ms, 8)}{cell(r.get('cpu_others_s'), 9, 2)}"
             f"{cell(r.get('machine_busy_pct'), 7, 0)}"
             f"{cell(load[0] if load else None, 7, 2)}{cell(r.get('returncode'), 6, 0)}")
 
@@ -232,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     print("stack CPU : CPU of the stack's own process trees per flow (asyncflow: api + scheduler + worker;")
     print("            celery chain: worker; its submitter's INSERT + publish run in the script, in 'others')")
     print("pg, mq    : CPU per flow of the PostgreSQL and RabbitMQ server processes (part of 'others')")
+    print("script    : CPU per flow of the benchmark script (part of 'others'): the chain's submits, counted as")
+    print("            its intake; Asyncflow's load generator (HTTP clients), no part of either stack")
     print("others    : CPU-s of everything else on the machine during the run (PostgreSQL, RabbitMQ,")
     print("            the benchmark script, other users)")
     for k, results in enumerate(rounds, 1):
@@ -259,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(row(labels[key], merged, median([stack_cpu_ms(x) for x in rs]),
                       median([server_cpu_ms(x, "postgresql") for x in rs]),
-                      median([server_cpu_ms(x, "rabbitmq") for x in rs])))
+                      median([server_cpu_ms(x, "rabbitmq") for x in rs]),
+                      median([script_cpu_ms(x) for x in rs])))
 
     burst_peer, p50_peer = med(("peer", "burst"), "flows_per_s"), med(("peer", "rate"), "submit_done_p50_ms")
     burst_af, p50_af = med(("asyncflow", "burst"), "flows_per_s"), med(("asyncflow", "rate"), "submit_done_p50_ms")
