@@ -124,20 +124,28 @@ def run_one(cmd: list[str], log_file: Path | None) -> dict[str, Any]:
     return result
 
 
+def per_flow_ms(r: dict[str, Any], secs: float | None) -> float | None:
+    """``secs`` of CPU per flow the run completed, in ms; None if either is unknown."""
+    if secs is None or not r.get("succeeded"):
+        return None
+    return 1000 * secs / r["succeeded"]
+
+
 def stack_cpu_ms(r: dict[str, Any]) -> float | None:
     """CPU per flow of the stack's own processes (Asyncflow: api+scheduler+worker; peer: worker)."""
-    if not r.get("cpu_s") or not r.get("succeeded"):
+    if not r.get("cpu_s"):
         return None
-    return 1000 * sum(r["cpu_s"].values()) / r["succeeded"]
+    return per_flow_ms(r, sum(r["cpu_s"].values()))
 
 
 def flow_cost_ms(r: dict[str, Any]) -> float | None:
     """CPU per flow of all that serves a flow: the stack's processes, the database and broker servers,
     and the peer's submits (its script's INSERT and publish, which Asyncflow's API does); not the load generator."""
-    if not r.get("cpu_s") or not r.get("succeeded"):
+    if not r.get("cpu_s"):
         return None
-    secs = sum(r["cpu_s"].values()) + r.get("cpu_script_s", 0.0) + sum((r.get("cpu_servers_s") or {}).values())
-    return 1000 * secs / r["succeeded"]
+    return per_flow_ms(
+        r, sum(r["cpu_s"].values()) + r.get("cpu_script_s", 0.0) + sum((r.get("cpu_servers_s") or {}).values())
+    )
 
 
 def cell(v: Any, width: int, digits: int = 1) -> str:
@@ -150,10 +158,7 @@ def cell(v: Any, width: int, digits: int = 1) -> str:
 
 def server_cpu_ms(r: dict[str, Any], server: str) -> float | None:
     """CPU-ms per flow of the PostgreSQL or RabbitMQ server processes (part of 'others')."""
-    secs = (r.get("cpu_servers_s") or {}).get(server)
-    if secs is None or not r.get("succeeded"):
-        return None
-    return 1000 * secs / r["succeeded"]
+    return per_flow_ms(r, (r.get("cpu_servers_s") or {}).get(server))
 
 
 HEADER = (f"{'run':<28}{'flows/s':>9}{'p50 ms':>10}{'p95 ms':>10}{'p99 ms':>10}"
@@ -164,10 +169,7 @@ UNITS = (f"{'':<28}{'':>9}{'submit->done':>30}{'ms/flow':>11}{'ms/flow':>20}{'CP
 
 def script_cpu_ms(r: dict[str, Any]) -> float | None:
     """CPU per flow of the benchmark script: the chain's submits, or Asyncflow's load generator (part of 'others')."""
-    secs = r.get("cpu_script_s", r.get("cpu_client_s"))
-    if secs is None or not r.get("succeeded"):
-        return None
-    return 1000 * secs / r["succeeded"]
+    return per_flow_ms(r, r.get("cpu_script_s", r.get("cpu_client_s")))
 
 
 def row(label: str, r: dict[str, Any], cpu_ms: float | None = None, pg_ms: float | None = None,

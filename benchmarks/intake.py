@@ -40,8 +40,7 @@ def client_loop(job: tuple[str, str, int, float, int]) -> tuple[int, int, list[f
     url, kind, batch, seconds, client = job
     created = errors = 0
     latencies: list[float] = []
-    http = KeepAlive(url)
-    try:
+    with KeepAlive(url) as http:
         end = time.monotonic() + seconds
         n = 0
         while time.monotonic() < end:
@@ -64,8 +63,6 @@ def client_loop(job: tuple[str, str, int, float, int]) -> tuple[int, int, list[f
             latencies.append(time.perf_counter() - t0)
             created += count
             errors += not ok
-    finally:
-        http.close()
     return created, errors, latencies
 
 
@@ -141,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.spawn("api", "api", "--port", str(stack.port), "--workers", str(args.api_workers))
         stack.wait_healthy(60)
         body = {"task_type_data": {"task_type": V1_TYPE}}
-        setup = KeepAlive(stack.url)
-        _, reply = setup.call("POST", "/v1/register_task_type", body)
-        setup.close()
+        with KeepAlive(stack.url) as setup:
+            _, reply = setup.call("POST", "/v1/register_task_type", body)
         if not isinstance(reply, dict) or reply.get("code") != 0:
             raise SetupError(f"register_task_type failed: {reply}")
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:

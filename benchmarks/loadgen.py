@@ -1,10 +1,10 @@
 """The load generators' HTTP client: keep-alive connections on the stdlib, JSON by orjson.
 
 The benchmarks' clients run on the two cores they measure, so what a client
-spends on a request counts against the stack under test. With its clients on
-``http.client`` instead of httpx, ``e2e_flows.py``'s own process took about a
-third of the CPU per flow it did (benchmarks/README.md, "The load generator's
-own cost"); neither client is part of Asyncflow.
+spends on a request counts against the stack under test. With ``e2e_flows.py``'s
+clients on ``http.client`` instead of httpx, the machine's CPU per flow outside
+the stack and its servers fell to about a third (benchmarks/README.md, "The load
+generator's own cost"); neither client is part of Asyncflow.
 """
 
 from __future__ import annotations
@@ -61,6 +61,12 @@ class KeepAlive:
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+    def __enter__(self) -> KeepAlive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _answer(data: bytes) -> Any:

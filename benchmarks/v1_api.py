@@ -61,8 +61,7 @@ def client_loop(args: tuple[str, str, dict[str, Any], float]) -> tuple[int, int,
     url, path, body, seconds = args
     ok = errors = 0
     latencies: list[float] = []
-    http = KeepAlive(url, timeout=30)
-    try:
+    with KeepAlive(url, timeout=30) as http:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             t0 = time.perf_counter()
@@ -72,8 +71,6 @@ def client_loop(args: tuple[str, str, dict[str, Any], float]) -> tuple[int, int,
                 ok += 1
             else:
                 errors += 1
-    finally:
-        http.close()
     return ok, errors, latencies
 
 
