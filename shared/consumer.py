@@ -17,7 +17,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from shared import metrics
@@ -27,7 +28,7 @@ from shared.module import Handler, Module, ModuleError, PermanentError, PollLate
 from shared.records import evolve
 from shared.saga import Decision, Failed, Heartbeat, Started, Succeeded, stale
 from shared.saga import PollLater as PollLaterEvent
-from shared.service import TaskNotFound, TaskService, run_on
+from shared.service import Change, TaskNotFound, TaskService, run_on
 from shared.states import Phase, StepType
 from shared.storage import StorageUnavailable, patiently
 from shared.storage.codec import task_from_row
@@ -37,6 +38,18 @@ log = logging.getLogger(__name__)
 
 Outcome = Mapping[str, Any] | PollLater | None
 OutcomeEvent = Succeeded | Failed | PollLaterEvent
+
+
+@dataclass(frozen=True)
+class Store:
+    """A transition an attempt needs stored before it goes on (:meth:`StepConsumer.steps`).
+
+    ``patient``: an outcome, worth waiting for through a database outage of up
+    to ``outcome_patience`` (the work is done); otherwise a start, which fails at once.
+    """
+
+    change: Change
+    patient: bool = False
 
 
 class AttemptTimedOut(Exception):
@@ -217,6 +230,48 @@ class StepConsumer:
         publish, a delivery, a read and a commit per step. None: every next step
         is published. ``on_next`` hears of each step run on to, before it starts
         (who reports the process lost must know).
+
+        Each transition is stored as it comes (:meth:`TaskService.apply`); a
+        consumer with several deliveries in flight drives :meth:`steps` instead.
+        """
+        steps = self.steps(message, continue_until, on_next)
+        try:
+            store = next(steps)
+            while True:
+                try:
+                    decision = self.store_now(store)
+                except Exception as exc:
+                    store = steps.throw(exc)
+                else:
+                    store = steps.send(decision)
+        except StopIteration:
+            return
+
+    def store_now(self, store: Store) -> Decision:
+        """Store one transition at once; an outcome waits out a database outage within bounds."""
+        c = store.change
+        if not store.patient:
+            return self.service.apply(c.task_id, c.event, c.known, c.worker, c.keep)
+        return patiently(
+            lambda: self.service.apply(c.task_id, c.event, c.known, c.worker, c.keep),
+            self.settings.outcome_patience,
+            "storing the outcome",
+            self.clock,
+            self.sleep,
+        )
+
+    def steps(
+        self,
+        message: StepMessage,
+        continue_until: float | None = None,
+        on_next: Callable[[StepMessage], None] | None = None,
+    ) -> Generator[Store, Decision, None]:
+        """:meth:`handle`'s work, as a generator of the transitions it needs stored.
+
+        Each :class:`Store` yielded is answered with its stored decision, sent in,
+        or with what storing it raised, thrown in; the handlers run inside. A
+        :class:`StorageUnavailable` from the start's write comes out of it: nothing
+        ran, and the message is to be tried again.
         """
         step: tuple[StepMessage, Task | None] | None = (message, None)
         while step is not None:
@@ -224,11 +279,11 @@ class StepConsumer:
             if known is not None and on_next is not None:
                 on_next(message)
             with attempt_context(AttemptFields.of(message) if known is not None else None):
-                step = self._run(message, known, continue_until)
+                step = yield from self._run(message, known, continue_until)
 
     def _run(
         self, message: StepMessage, known: Task | None, continue_until: float | None
-    ) -> tuple[StepMessage, Task] | None:
+    ) -> Generator[Store, Decision, tuple[StepMessage, Task] | None]:
         """One attempt of ``message``, on ``known`` if the task was just stored here.
 
         Returns the next step to run here, with the task as stored, or None.
@@ -244,7 +299,7 @@ class StepConsumer:
                 reason = stale(task, Started(message.seq), self.service.clock())
                 if reason is None and self.settings.record_start_after <= 0:
                     start = Started(message.seq, heartbeats=True)
-                    decision = self.service.apply(message.task_id, start, known=task, worker=worker_name())
+                    decision = yield Store(Change(message.task_id, start, known=task, worker=worker_name()))
                     reason, task = decision.ignored, decision.task  # ignored: another delivery started it first
                 elif reason is None:
                     start_after = self.settings.record_start_after
@@ -275,7 +330,18 @@ class StepConsumer:
                 and self.clock() + next_message.timeout <= continue_until
             )
 
-        stored = self._store_outcome(message, evolve(event, started_at=started_at), task, runs_here)
+        outcome = Change(message.task_id, evolve(event, started_at=started_at), task, worker_name(), runs_here)
+        try:
+            stored: Decision | None = yield Store(outcome, patient=True)
+        except StorageUnavailable as exc:
+            # Giving up is safe: the attempt then expires at its deadline and runs again
+            # (handlers are idempotent), but waiting kept the work that was done.
+            log.error(
+                "outcome not stored, database still unavailable; the attempt will expire and run again: %s",
+                exc,
+                extra={"task_id": message.task_id, "seq": message.seq},
+            )
+            stored = None
         following = run_on(stored) if stored is not None else None
         if stored is None or following is None:
             return None
@@ -355,31 +421,6 @@ class StepConsumer:
         why = f": {event.error}" if isinstance(event, Failed) else ""
         log.info("step attempt %s in %.3fs%s", label.replace("_", " "), elapsed, why, extra={"task_id": message.task_id})
         return event
-
-    def _store_outcome(
-        self, message: StepMessage, event: OutcomeEvent, known: Task, keep: Callable[[StepMessage], bool]
-    ) -> Decision | None:
-        """Record what the handler did, waiting out a database outage within bounds.
-
-        Giving up is safe: the attempt then expires at its deadline and runs again
-        (handlers are idempotent), but waiting keeps the work that was done.
-        Returns the stored decision, None when it could not be stored.
-        """
-        try:
-            return patiently(
-                lambda: self.service.apply(message.task_id, event, known=known, worker=worker_name(), keep=keep),
-                self.settings.outcome_patience,
-                "storing the outcome",
-                self.clock,
-                self.sleep,
-            )
-        except StorageUnavailable as exc:
-            log.error(
-                "outcome not stored, database still unavailable; the attempt will expire and run again: %s",
-                exc,
-                extra={"task_id": message.task_id, "seq": message.seq},
-            )
-            return None
 
     def _handler(self, message: StepMessage) -> Handler:
         module = self.modules.get(message.module)

@@ -44,7 +44,7 @@ from shared.saga import (
 )
 from shared.states import Phase, StepType
 from shared.storage import AttemptRecord, TaskEvent, TaskFilter, TaskStore
-from shared.storage.base import CREATED_VERSION, all_stored, create_each
+from shared.storage.base import CREATED_VERSION, Save, all_stored, create_each
 from shared.storage.codec import task_fields
 from shared.task import Alarm, StepMessage, Task, new_task
 from shared.transition import compare_and_set
@@ -273,79 +273,103 @@ class TaskService:
         write, so the task shows it running from the moment it is committed.
         :func:`run_on` finds it in the returned decision.
         """
-        now = self.clock()
-        carried: list[AttemptRecord] = []  # the start of the message ``keep`` took, if it took one
-
-        def decided(task: Task) -> Decision:
-            carried.clear()
-            decision = decide(task, event, now, self.timing)
-            kept = next((m for m in decision.messages if keep is not None and keep(m)), None)
-            if decision.ignored or kept is None:
-                return decision
-            start = Started(kept.seq, heartbeats=True)
-            record = _attempt_record(decision.task, start, now, self.timing, worker)
-            assert record is not None, "a start always has an attempt record"
-            carried.append(record)
-            return evolve(decision, task=decide(decision.task, start, now, self.timing).task)
+        step = _Step(self, Change(task_id, event, known, worker, keep), self.clock())
 
         def write(task: Task, decision: Decision) -> bool | None:
-            if decision.ignored or decision.task is task:
+            save = step.save(task, decision)
+            if save is None:
                 return None
-            attempt = _attempt_record(task, event, now, self.timing, worker)
-            return self.store.save(decision.task, now, attempt, next_attempt=carried[0] if carried else None)
+            return self.store.save(save.task, save.now, save.attempt, next_attempt=save.next_attempt)
 
         before, decision = compare_and_set(
             f"task {task_id}",
             lambda: self.get(task_id),
-            decided,
+            step.decided,
             write,
             known=known,
-            effects=self._after,
+            effects=lambda before, decision: self._after([(before, decision)]),
         )
-        if decision.ignored or decision.task is before:
-            return decision
-        if isinstance(event, Expire):
-            metrics.EXPIRED.labels("deadline" if expiry(before, now, self.timing).timed_out else "heartbeat").inc()
-        # What is stored now, version included, for the caller's next ``known``.
-        return evolve(decision, task=evolve(decision.task, version=before.version + 1))
+        return step.stored(before, decision)
 
-    def _after(self, before: Task, decision: Decision) -> None:
-        task = decision.task
-        if task.status is not before.status and task.status.is_terminal:
-            metrics.FINISHED.labels(task.flow, task.status.label).inc()
-            log.info(
-                "task finished",
-                extra={"task_id": task.task_id, "flow": task.flow, "status": task.status.label},
-            )
-        self._publish(decision)
+    def apply_many(self, changes: Sequence[Change]) -> builtins.list[Decision | Exception]:
+        """:meth:`apply` each of ``changes`` (of distinct tasks), their writes committed together.
 
-    def _publish(self, decision: Decision) -> None:
-        carried = run_on(decision)
-        for message in decision.messages:
-            if message.type is StepType.ROLLBACK and message.attempt == 1:
-                metrics.ROLLBACKS.labels(message.flow, message.module).inc()
-            if message.attempt > 1:
-                metrics.RETRIES.labels(message.module, message.command).inc()
-            if message is carried:
+        Group commit, for a consumer with several attempts in flight: each change
+        with a ``known`` copy is decided on it and the writes go to the store
+        together (:meth:`TaskStore.save_many`: one transaction and one round trip
+        on PostgreSQL), then the next messages of all are published together. A
+        change without a copy, one whose compare-and-set lost, or one decided to
+        change nothing (the copy may be out of date), goes on alone as
+        :meth:`apply` would. Returns each change's decision, or what its
+        :meth:`apply` raised; :class:`StorageUnavailable` from the group's write is
+        raised, nothing of the group written.
+        """
+        now = self.clock()
+        answers: list[Decision | Exception | None] = [None] * len(changes)
+        group: list[tuple[int, _Step, Decision, Save]] = []
+        for i, change in enumerate(changes):
+            if change.known is None:
                 continue
+            step = _Step(self, change, now)
+            decision = step.decided(change.known)
+            save = step.save(change.known, decision)
+            if save is not None:
+                group.append((i, step, decision, save))
+        written = self.store.save_many([save for *_, save in group]) if group else []
+        done = [(i, step, decision) for (i, step, decision, _), ok in zip(group, written, strict=True) if ok]
+        self._after([(step.change.known, decision) for _, step, decision in done])  # type: ignore[misc]
+        for i, step, decision in done:
+            answers[i] = step.stored(step.change.known, decision)  # type: ignore[arg-type]
+        for i, change in enumerate(changes):
+            if answers[i] is None:
+                try:
+                    answers[i] = self.apply(change.task_id, change.event, worker=change.worker, keep=change.keep)
+                except Exception as exc:  # this change's alone; the others stand
+                    answers[i] = exc
+        return answers  # type: ignore[return-value]  # every None was filled
+
+    def _after(self, changed: Sequence[tuple[Task, Decision]]) -> None:
+        """What follows stored transitions: counts, logs, and their messages published together."""
+        messages: list[StepMessage] = []
+        for before, decision in changed:
+            task = decision.task
+            if task.status is not before.status and task.status.is_terminal:
+                metrics.FINISHED.labels(task.flow, task.status.label).inc()
+                log.info(
+                    "task finished",
+                    extra={"task_id": task.task_id, "flow": task.flow, "status": task.status.label},
+                )
+            carried = run_on(decision)
+            for message in decision.messages:
+                if message.type is StepType.ROLLBACK and message.attempt == 1:
+                    metrics.ROLLBACKS.labels(message.flow, message.module).inc()
+                if message.attempt > 1:
+                    metrics.RETRIES.labels(message.module, message.command).inc()
+                if message is not carried:
+                    messages.append(message)
+        if len(messages) == 1:
             try:
-                self.publisher.publish(message)
+                self.publisher.publish(messages[0])
             except Exception as exc:
-                self._publish_failed(message, exc)
-        for alarm in decision.alarms:
-            metrics.ALARMS.labels(alarm.flow, alarm.module).inc()
-            log.error(
-                "ALARM: rollback failed, operator action needed (asyncflow resume %s): %s.%s: %s",
-                alarm.task_id,
-                alarm.module,
-                alarm.command,
-                alarm.error,
-                extra={"task_id": alarm.task_id, "flow": alarm.flow, "step": alarm.cursor},
-            )
-            try:
-                self.publisher.alarm(alarm)
-            except Exception:
-                log.exception("delivering the alarm failed", extra={"task_id": alarm.task_id})
+                self._publish_failed(messages[0], exc)
+        elif messages:  # on RabbitMQ their confirms are waited for once
+            for message, error in self.publisher.publish_many(messages):
+                self._publish_failed(message, error)
+        for _, decision in changed:
+            for alarm in decision.alarms:
+                metrics.ALARMS.labels(alarm.flow, alarm.module).inc()
+                log.error(
+                    "ALARM: rollback failed, operator action needed (asyncflow resume %s): %s.%s: %s",
+                    alarm.task_id,
+                    alarm.module,
+                    alarm.command,
+                    alarm.error,
+                    extra={"task_id": alarm.task_id, "flow": alarm.flow, "step": alarm.cursor},
+                )
+                try:
+                    self.publisher.alarm(alarm)
+                except Exception:
+                    log.exception("delivering the alarm failed", extra={"task_id": alarm.task_id})
 
     def _publish_failed(self, message: StepMessage, exc: Exception) -> None:
         """The transition is committed, the message is not: the sweep publishes it again."""
@@ -379,7 +403,7 @@ class TaskService:
             lambda: self.get(task_id),
             lambda task: self._decide_operation(task, event, now),
             write,
-            effects=self._after,
+            effects=lambda before, decision: self._after([(before, decision)]),
         )
         if decision.task is before:
             return before
@@ -418,6 +442,55 @@ class TaskService:
     def events(self, task_id: str) -> builtins.list[TaskEvent]:
         """The task's history: operators' cancels, retries and resumes, oldest first."""
         return self.store.events(task_id)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One transition for :meth:`TaskService.apply_many`: :meth:`TaskService.apply`'s arguments."""
+
+    task_id: str
+    event: Event
+    known: Task | None = None
+    worker: str | None = None
+    keep: Callable[[StepMessage], bool] | None = None
+
+
+class _Step:
+    """The decision and the write of one change, on whichever copy of its task it is tried."""
+
+    def __init__(self, service: TaskService, change: Change, now: float) -> None:
+        self.service = service
+        self.change = change
+        self.now = now
+        self._carried: AttemptRecord | None = None  # the start of the message ``keep`` took, if it took one
+
+    def decided(self, task: Task) -> Decision:
+        change, now, timing = self.change, self.now, self.service.timing
+        self._carried = None
+        decision = decide(task, change.event, now, timing)
+        kept = next((m for m in decision.messages if change.keep is not None and change.keep(m)), None)
+        if decision.ignored or kept is None:
+            return decision
+        start = Started(kept.seq, heartbeats=True)
+        self._carried = _attempt_record(decision.task, start, now, timing, change.worker)
+        assert self._carried is not None, "a start always has an attempt record"
+        return evolve(decision, task=decide(decision.task, start, now, timing).task)
+
+    def save(self, task: Task, decision: Decision) -> Save | None:
+        """What to store for ``decision`` made on ``task``; None when it changes nothing."""
+        if decision.ignored or decision.task is task:
+            return None
+        attempt = _attempt_record(task, self.change.event, self.now, self.service.timing, self.change.worker)
+        return Save(decision.task, self.now, attempt, self._carried)
+
+    def stored(self, before: Task, decision: Decision) -> Decision:
+        """The decision as the caller gets it: its task as stored now, version included, for its next ``known``."""
+        if decision.ignored or decision.task is before:
+            return decision
+        if isinstance(self.change.event, Expire):
+            timed_out = expiry(before, self.now, self.service.timing).timed_out
+            metrics.EXPIRED.labels("deadline" if timed_out else "heartbeat").inc()
+        return evolve(decision, task=evolve(decision.task, version=before.version + 1))
 
 
 def run_on(decision: Decision) -> StepMessage | None:

@@ -197,6 +197,16 @@ def matches_parameter(parameters: Mapping[str, Any], wanted: tuple[tuple[str, ..
 CREATED_VERSION = 1
 
 
+@dataclass(frozen=True)
+class Save:
+    """One transition for :meth:`TaskStore.save_many`: :meth:`TaskStore.save`'s arguments, no operator's event."""
+
+    task: Task
+    now: float
+    attempt: AttemptRecord | None = None
+    next_attempt: AttemptRecord | None = None
+
+
 class TaskStore(abc.ABC):
     """The only owner of task storage: every transition goes through :meth:`save`."""
 
@@ -240,6 +250,14 @@ class TaskStore(abc.ABC):
         inserted in it too, and ``event`` (an operator's action) is appended to
         the task's history.
         """
+
+    def save_many(self, saves: Sequence[Save]) -> builtins.list[bool]:
+        """:meth:`save` each of ``saves`` (steps' transitions of distinct tasks); which were written.
+
+        Each is a compare-and-set of its own, as :meth:`save` does it; a store may
+        commit them together (group commit): PostgreSQL's does, in one round trip.
+        """
+        return [self.save(s.task, s.now, s.attempt, next_attempt=s.next_attempt) for s in saves]
 
     @abc.abstractmethod
     def events(self, task_id: str) -> builtins.list[TaskEvent]:

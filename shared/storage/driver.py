@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 from weakref import WeakKeyDictionary
 
 import psycopg
@@ -108,29 +108,15 @@ class DriverStatement:
         """
         conn = cursor.connection
         assert conn.autocommit, "count() runs in autocommit"
-        sql, order = self._numbered_sql, self._order
-        params = self.params(values)
-        own = _own_prepared.get(conn)
-        if own is None:
-            own = _own_prepared[conn] = _OwnPrepared()
-        dump = Transformer(conn)  # psycopg's dumpers of this connection, as its cursor uses them
-        dumped = dump.dump_sequence([params[name] for name in order], [PyFormat.AUTO] * len(order))
-        # The types are part of the prepared statement: an integer may be dumped as int2 or int8.
-        types, formats = dump.types or (), dump.formats
-        key = (self, types)
+        bound = self._bind(conn, values)
+        own = _own_prepared_on(conn)
         pgconn = conn.pgconn
         with conn.lock:
-            own.runs += 1
-            if own.runs > PREPARED_RUNS:
-                own.drop(conn)
+            own.counted(conn, 1)
             for last_try in (False, True):
-                name = own.names.get(key)
-                if name is None:
-                    name = b"af_%d" % next(own.made)
-                    _answer(conn, pgconn.prepare(name, sql, types), ExecStatus.COMMAND_OK)
-                    own.names[key] = name  # only once it exists: a refused prepare leaves no name behind
+                name = own.prepared(conn, bound)
                 try:
-                    executed = pgconn.exec_prepared(name, cast(Sequence[bytes], dumped), formats)
+                    executed = pgconn.exec_prepared(name, bound.dumped, bound.formats)
                     result = _answer(conn, executed, ExecStatus.TUPLES_OK)
                     break
                 except psycopg.errors.InvalidSqlStatementName:
@@ -140,7 +126,83 @@ class DriverStatement:
                     if last_try:
                         raise
                     own.names.clear()
-        return int(result.get_value(0, 0) or 0) if result.ntuples else 0
+        return _number(result)
+
+    def _bind(self, conn: psycopg.Connection[Any], values: Mapping[str, Any]) -> _Bound:
+        params = self.params(values)
+        dump = Transformer(conn)  # psycopg's dumpers of this connection, as its cursor uses them
+        dumped = dump.dump_sequence([params[name] for name in self._order], [PyFormat.AUTO] * len(self._order))
+        # The types are part of the prepared statement: an integer may be dumped as int2 or int8.
+        types = tuple(dump.types or ())
+        return _Bound(self, types, cast(Sequence[bytes], dumped), dump.formats)
+
+
+class _Bound(NamedTuple):
+    """A statement's parameters, dumped for libpq, and what it is prepared under."""
+
+    statement: DriverStatement
+    types: tuple[int, ...]
+    dumped: Sequence[bytes]
+    formats: Any
+
+
+def count_together(cursor: psycopg.Cursor[dict[str, Any]], runs: Sequence[tuple[DriverStatement, Mapping[str, Any]]]) -> list[int]:
+    """Run statements as :meth:`DriverStatement.count` does, all in one round trip and one transaction.
+
+    libpq's pipeline mode: the statements are sent back to back, then a sync, and
+    PostgreSQL runs what lies between two syncs as one implicit transaction, made
+    durable by one WAL flush. A statement refused rolls them all back: its error
+    is raised, as count() raises it, and nothing is written (the caller may run
+    them one by one). In autocommit only, as count().
+    """
+    if len(runs) == 1:
+        statement, values = runs[0]
+        return [statement.count(cursor, values)]
+    conn = cursor.connection
+    assert conn.autocommit, "count_together() runs in autocommit"
+    bound = [statement._bind(conn, values) for statement, values in runs]
+    own = _own_prepared_on(conn)
+    pgconn = conn.pgconn
+    with conn.lock:
+        own.counted(conn, len(bound))
+        names = [own.prepared(conn, b) for b in bound]  # prepared before: the pipeline holds executions only
+        pgconn.enter_pipeline_mode()
+        try:
+            for name, b in zip(names, bound, strict=True):
+                pgconn.send_query_prepared(name, b.dumped, b.formats)
+            pgconn.pipeline_sync()
+            results = []
+            for _ in bound:
+                results.append(pgconn.get_result())
+                while pgconn.get_result() is not None:  # each statement's results end with a null
+                    pass
+            synced = pgconn.get_result()
+        finally:
+            if pgconn.status == ConnStatus.OK:
+                pgconn.exit_pipeline_mode()
+    for result in results:
+        if result is None or synced is None or synced.status != ExecStatus.PIPELINE_SYNC:
+            raise psycopg.OperationalError(pgconn.get_error_message() or "connection lost in a pipeline")
+        if result.status == ExecStatus.PIPELINE_ABORTED:
+            continue  # rolled back with the statement refused before it, whose error is raised
+        try:
+            _answer(conn, result, ExecStatus.TUPLES_OK)
+        except psycopg.errors.InvalidSqlStatementName:
+            own.names.clear()  # dropped behind our back, as count() finds: prepared again next time
+            raise
+    return [_number(r) for r in results]  # type: ignore[arg-type]  # none is None: checked above
+
+
+def _number(result: PGresult) -> int:
+    """The integer in a statement's one row, 0 without a row."""
+    return int(result.get_value(0, 0) or 0) if result.ntuples else 0
+
+
+def _own_prepared_on(conn: psycopg.Connection[Any]) -> _OwnPrepared:
+    own = _own_prepared.get(conn)
+    if own is None:
+        own = _own_prepared[conn] = _OwnPrepared()
+    return own
 
 
 class _OwnPrepared:
@@ -156,6 +218,22 @@ class _OwnPrepared:
         self.names: dict[tuple[DriverStatement, tuple[int, ...]], bytes] = {}
         self.made = itertools.count()
         self.runs = 0
+
+    def counted(self, conn: psycopg.Connection[Any], executions: int) -> None:
+        """``executions`` more are about to run: past PREPARED_RUNS, every statement is prepared afresh."""
+        self.runs += executions
+        if self.runs > PREPARED_RUNS:
+            self.drop(conn)
+
+    def prepared(self, conn: psycopg.Connection[Any], bound: _Bound) -> bytes:
+        """The name ``bound``'s statement is prepared under on ``conn``, prepared now if need be."""
+        key = (bound.statement, bound.types)
+        name = self.names.get(key)
+        if name is None:
+            name = b"af_%d" % next(self.made)
+            _answer(conn, conn.pgconn.prepare(name, bound.statement._numbered_sql, bound.types), ExecStatus.COMMAND_OK)
+            self.names[key] = name  # only once it exists: a refused prepare leaves no name behind
+        return name
 
     def drop(self, conn: psycopg.Connection[Any]) -> None:
         for name in self.names.values():

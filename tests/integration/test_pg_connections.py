@@ -24,6 +24,7 @@ from shared.storage import StorageUnavailable, TaskFilter
 from shared.storage import driver as driver_module
 from shared.storage import sql as sql_module
 from shared.storage.driver import autocommit_cursor
+from shared.storage.base import Save
 from shared.storage.sql import PostgresStore
 from shared.testing import QueuePublisher
 from tests.integration.conftest import postgres_admin, postgres_schema
@@ -282,6 +283,61 @@ def test_a_transition_the_database_refuses_raises_psycopgs_error_and_keeps_the_c
             store.save(replace(task, priority=2**40 * 2**30), NOW + 1)
         assert kept_backend(store) == backend  # a refused statement does not cost the connection
         assert store.save(replace(task, message="fine"), NOW + 2) is True
+    finally:
+        store.close()
+
+
+def test_transitions_saved_together_are_one_transaction_and_one_refused_sends_each_alone(postgres_url: str) -> None:
+    """save_many sends its statements in one pipeline, which PostgreSQL runs as one
+    transaction: one refused rolls back the others, which are then saved each alone."""
+    store = PostgresStore(postgres_url)
+    try:
+        tasks = [store.create(submitted(f"group-{i}-{uuid.uuid4().hex}"), NOW)[0] for i in range(3)]
+        backend = kept_backend(store)
+        with autocommit_cursor(store.connections) as cursor:
+            wal_before = cursor.execute("SELECT pg_current_wal_insert_lsn() AS at").fetchone()
+        assert store.save_many([Save(replace(t, message="together"), NOW + 1) for t in tasks]) == [True] * 3
+        with autocommit_cursor(store.connections) as cursor:
+            xids = cursor.execute(
+                "SELECT count(DISTINCT xmin::text) AS n FROM af_tasks WHERE task_id = ANY(%s)",
+                ([t.task_id for t in tasks],),
+            ).fetchone()
+        assert wal_before is not None and xids is not None and xids["n"] == 1  # one transaction wrote the three
+        tasks = [replace(t, message="together", version=t.version + 1) for t in tasks]
+        saves = [Save(replace(t, message="again"), NOW + 2) for t in tasks]
+        saves[1] = replace(saves[1], task=replace(tasks[1], priority=2**70))  # the column is an integer
+        assert store.save_many(saves) == [True, False, True]
+        assert [store.get(t.task_id).message for t in tasks] == ["again", "together", "again"]  # type: ignore[union-attr]
+        assert kept_backend(store) == backend  # a refused statement does not cost the connection
+    finally:
+        store.close()
+
+
+def test_transitions_saved_together_after_their_statement_was_dropped_behind_the_stores_back(
+    postgres_url: str,
+) -> None:
+    store = PostgresStore(postgres_url)
+    try:
+        tasks = [store.create(submitted(f"dropped-{i}-{uuid.uuid4().hex}"), NOW)[0] for i in range(2)]
+        assert store.save_many([Save(replace(t, message="first"), NOW + 1) for t in tasks]) == [True, True]
+        with autocommit_cursor(store.connections) as cursor:
+            cursor.execute("DEALLOCATE ALL")  # not the store's: it does not know
+        tasks = [replace(t, message="first", version=t.version + 1) for t in tasks]
+        assert store.save_many([Save(replace(t, message="second"), NOW + 2) for t in tasks]) == [True, True]
+        assert store.save_many([Save(replace(t, message="third"), NOW + 3) for t in tasks]) == [False, False]
+        assert [store.get(t.task_id).message for t in tasks] == ["second", "second"]  # type: ignore[union-attr]
+    finally:
+        store.close()
+
+
+def test_transitions_saved_together_on_a_dead_connection_raise_storage_unavailable(postgres_url: str) -> None:
+    store = PostgresStore(postgres_url)
+    try:
+        tasks = [store.create(submitted(f"dead-group-{i}-{uuid.uuid4().hex}"), NOW)[0] for i in range(2)]
+        terminate(kept_backend(store))
+        with pytest.raises(StorageUnavailable):
+            store.save_many([Save(replace(t, message="lost"), NOW + 1) for t in tasks])
+        assert store.save_many([Save(replace(t, message="after"), NOW + 2) for t in tasks]) == [True, True]
     finally:
         store.close()
 

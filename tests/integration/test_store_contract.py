@@ -15,6 +15,7 @@ from shared.flows import Action, Flow, StepDef
 from shared.saga import Submit, decide
 from shared.states import Phase, StepCode, StepState, StepType, TaskStatus
 from shared.storage import AttemptRecord, TaskConflict, TaskFilter, TaskStore
+from shared.storage.base import Save
 from shared.task import Active, Task, new_task
 
 NOW = 1_700_000_000.0
@@ -338,6 +339,24 @@ class TestTaskStoreContract:
         assert store.attempts(task.task_id) == [first]
         assert store.save(replace(task, cursor=1), NOW + 2, ended, next_attempt=following)
         assert store.attempts(task.task_id) == [replace(first, ended_at=NOW + 2, outcome="succeeded"), following]
+
+    def test_save_many_writes_each_whose_version_matches_with_its_attempts(self, store: TaskStore) -> None:
+        tasks = [store.create(submitted(f"t-{i}"), NOW)[0] for i in range(5)]
+        starts = [AttemptRecord(t.task_id, 1, 0, StepType.NORMAL, 1, "m", "c", started_at=NOW + 1) for t in tasks]
+        stale = replace(tasks[3], version=tasks[3].version + 1)  # another writer got there first
+        saves = [Save(replace(t, status=TaskStatus.RUNNING), NOW + 1, a) for t, a in zip(tasks, starts, strict=True)]
+        saves[3] = replace(saves[3], task=replace(stale, status=TaskStatus.RUNNING))
+        # Not in the order of their ids: the store may reorder them, the answers may not.
+        order = [4, 0, 3, 2, 1]
+        assert store.save_many([saves[i] for i in order]) == [i != 3 for i in order]
+        for i, task in enumerate(tasks):
+            stored = store.get(task.task_id)
+            assert stored is not None
+            if i == 3:
+                assert stored == task and store.attempts(task.task_id) == []
+            else:
+                assert (stored.version, stored.status) == (task.version + 1, TaskStatus.RUNNING)
+                assert store.attempts(task.task_id) == [starts[i]]
 
     def test_heartbeats_update_the_started_attempt_and_keep_its_worker(self, store: TaskStore) -> None:
         task, _ = store.create(submitted(), NOW)
