@@ -21,7 +21,7 @@ from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.logs import setup_logging
 from shared.messaging import bound_shutdown, queue_name
-from shared.messaging.consumers import ConsumerPool, StepMessages
+from shared.messaging.consumers import ConsumerPool, GroupedStepMessages, StepMessages
 from shared.runtime import Runtime
 from shared.schedules.service import InvalidSchedule
 from shared.storage import StorageError, patiently
@@ -102,6 +102,8 @@ def _run_consumer_pool(runtime: Runtime, modules: list[str], concurrency: int, s
 
     def consumer_process() -> StepMessages:
         connection = runtime.celery.connection_for_read()
+        if settings.worker_prefetch > 1:
+            return GroupedStepMessages(connection, queues, consumer, running, settings.worker_prefetch)
         return StepMessages(connection, queues, consumer, running)
 
     pool = ConsumerPool(consumer_process, consumer, running, concurrency, settings.shutdown_grace, stop)

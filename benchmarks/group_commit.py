@@ -2,7 +2,8 @@
 """What storing several steps' transitions together would save on PostgreSQL.
 
 Group commit (a consumer that takes several messages and stores their outcomes
-together) is not built. This measures its ground before anyone builds it: N
+together) was measured here before it was built (it is now, opt-in:
+shared/group_commit.py, ``ASYNCFLOW_WORKER_PREFETCH``). This replays: N
 ``noop`` flows (tests/support/flows.yaml) run through ``TaskService`` and
 ``StepConsumer`` as in step_path.py, and every transition statement the store
 sends is recorded with its parameters. Those statements are then replayed, the

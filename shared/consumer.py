@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from shared import metrics
 from shared.config import Settings
@@ -72,6 +72,22 @@ def _name_of(pid: int) -> str:
     return f"{socket.gethostname()}:{pid}"
 
 
+class Beating(Protocol):
+    """What the pulse thread beats for: a :class:`Pulse`, or anything due once or every so often."""
+
+    stopped: bool  # dropped, unbeaten, when it comes due
+    interval: float  # after a beat that raised, the next comes this much later
+
+    @property
+    def task_id(self) -> str | None:
+        """For the log of a beat that raised."""
+        ...
+
+    def beat(self) -> float | None:
+        """Do what is due; when to beat next (monotonic), or None."""
+        ...
+
+
 class Pulse:
     """Keeps one running attempt alive while its handler works.
 
@@ -92,6 +108,10 @@ class Pulse:
         self._started = start_after is None
         # The attempt's logging context (shared.logs) goes with it onto the pulse thread.
         self._context = contextvars.copy_context()
+
+    @property
+    def task_id(self) -> str:
+        return self.message.task_id
 
     def start(self) -> None:
         first = self.interval if self.start_after is None else self.start_after
@@ -140,7 +160,7 @@ class Pulses:
     """
 
     def __init__(self) -> None:
-        self._due: list[tuple[float, int, Pulse]] = []
+        self._due: list[tuple[float, int, Beating]] = []
         self._order = itertools.count()  # ties in time go first come, first served
         self._pid: int | None = None  # the process the thread runs in
         self._cond = threading.Condition()
@@ -151,7 +171,7 @@ class Pulses:
     def _forget(self) -> None:
         self._due, self._pid, self._cond = [], None, threading.Condition()
 
-    def add(self, pulse: Pulse, at: float) -> None:
+    def add(self, pulse: Beating, at: float) -> None:
         with self._cond:
             if self._pid != os.getpid():
                 self._pid = os.getpid()
@@ -166,12 +186,12 @@ class Pulses:
             try:
                 again = pulse.beat()
             except Exception:  # this thread beats for every attempt of the process: it goes on
-                log.exception("a pulse failed", extra={"task_id": pulse.message.task_id})
+                log.exception("a pulse failed", extra={"task_id": pulse.task_id})
                 again = time.monotonic() + pulse.interval
             if again is not None:
                 self.add(pulse, again)
 
-    def _next(self) -> Pulse:
+    def _next(self) -> Beating:
         """Waits for the first pulse due that is not stopped, and takes it off the heap."""
         with self._cond:
             while True:

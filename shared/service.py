@@ -292,7 +292,7 @@ class TaskService:
         return step.stored(before, decision)
 
     def apply_many(self, changes: Sequence[Change]) -> builtins.list[Decision | Exception]:
-        """:meth:`apply` each of ``changes`` (of distinct tasks), their writes committed together.
+        """:meth:`apply` each of ``changes``, their writes committed together.
 
         Group commit, for a consumer with several attempts in flight: each change
         with a ``known`` copy is decided on it and the writes go to the store
@@ -302,7 +302,9 @@ class TaskService:
         change nothing (the copy may be out of date), goes on alone as
         :meth:`apply` would. Returns each change's decision, or what its
         :meth:`apply` raised; :class:`StorageUnavailable` from the group's write is
-        raised, nothing of the group written.
+        raised, nothing of the group written. Two changes of one task (a message
+        and its copy, both delivered) are both decided on its copy: the second's
+        compare-and-set then fails, and it goes on alone.
         """
         now = self.clock()
         answers: list[Decision | Exception | None] = [None] * len(changes)

@@ -45,11 +45,13 @@ from kombu.entity import Queue
 from kombu.mixins import ConsumerMixin
 
 from shared.consumer import StepConsumer
+from shared.group_commit import Flight, GroupCommit
 from shared.logs import AttemptFields, attempt_context
 from shared.messaging import ALARM_TASK, JSON, LIMIT_MARGIN, STEP_TASK
 from shared.messaging.embedded import wake_for_stop
 from shared.messaging.running import RunningSteps
 from shared.presence import attempt_in_flight, oldest_first
+from shared.records import evolve
 from shared.retry import reconnect_delay
 from shared.storage import StorageUnavailable
 from shared.task import Alarm, StepMessage
@@ -188,6 +190,113 @@ class StepMessages(ConsumerMixin):
         message.ack()
 
 
+class GroupedStepMessages(StepMessages):
+    """A consumer process holding up to ``prefetch`` deliveries, their transitions committed together.
+
+    ``worker_prefetch`` above 1 (:mod:`shared.group_commit`). Their handlers run
+    one at a time on this thread, so a step that runs long holds the others this
+    process holds until it ends (their outcomes are committed meanwhile): for
+    modules whose steps run for seconds or more, keep ``worker_prefetch`` at 1.
+    """
+
+    def __init__(
+        self, connection: Connection, queues: list[Queue], consumer: StepConsumer, running: RunningSteps, prefetch: int
+    ) -> None:
+        super().__init__(connection, queues, consumer, running)
+        self.prefetch = prefetch
+        self.group = GroupCommit(consumer, self._finished, self._held)
+        self._later: list[tuple[float, Delivery]] = []  # deliveries whose start could not be stored, and when to retry
+
+    def get_consumers(self, consumer: Callable[..., Any], channel: Any) -> list[Any]:
+        return [consumer(self.queues, on_message=self.on_delivery, accept=["json"], prefetch_count=self.prefetch)]
+
+    def consume(self, limit: Any = None, timeout: Any = None, safety_interval: float = 1, **kwargs: Any) -> Any:
+        """kombu's loop, in rounds: the deliveries held go on, then the broker is read, without waiting while any is held."""
+        with self.consumer_context(**kwargs) as (conn, _channel, _consumers):
+            while not self.should_stop or len(self.group):
+                self.on_iteration()
+                self._retry_due()
+                self.group.work()
+                if self.should_stop:
+                    continue  # finishing what is held; what the broker sends now is handed back
+                wait = 0.0 if len(self.group) else self._idle_wait(safety_interval)
+                try:
+                    conn.drain_events(timeout=wait)
+                    for _ in range(self.prefetch - 1):  # what else has come, into the same round
+                        conn.drain_events(timeout=0)
+                except TimeoutError:
+                    if wait:
+                        conn.heartbeat_check()
+                except OSError:
+                    if not self.should_stop:
+                        raise
+                yield
+
+    def _step(self, step: StepMessage, message: Any) -> None:
+        if self.should_stop:
+            message.requeue()  # taken in the same read as the stop: for another consumer
+            return
+        self._start(Delivery(message, step, str(message.headers.get("id") or message.delivery_tag)))
+
+    def _start(self, delivery: Delivery) -> None:
+        soft = (delivery.message.headers.get("timelimit") or (None, None))[1]
+        # Next steps may run in this delivery while they end before its soft limit.
+        until = time.monotonic() + soft - LIMIT_MARGIN if self.continues and soft else None
+        with attempt_context(AttemptFields.of(delivery.step)):  # copied into the delivery's own context
+            self.group.start(delivery, delivery.step, continue_until=until)
+
+    def _finished(self, flight: Flight, exc: BaseException | None) -> None:
+        delivery: Delivery = flight.key
+        if isinstance(exc, StorageUnavailable):
+            # Nothing ran (the start could not be recorded): the message is kept and tried again.
+            delay = reconnect_delay(delivery.tries)
+            log.warning("database unavailable, step message retried in %gs: %s", delay, exc)
+            self._later.append((time.monotonic() + delay, evolve(delivery, tries=delivery.tries + 1)))
+            return
+        if exc is not None:
+            # What a step raises is recorded by the consumer; this is its store failing past its
+            # patience: the sweeps take the attempt over, as after a Celery task that raised.
+            log.error("step message failed", exc_info=exc, extra={"task_id": flight.message.task_id})
+        try:
+            delivery.message.ack()
+        except (*self.connection.connection_errors, *self.connection.channel_errors) as lost:
+            # Taken on a connection since lost: the broker delivers it again, and it is dropped as stale.
+            log.warning("step message not acknowledged, its connection is gone: %s", lost)
+
+    def _held(self, flights: list[Flight]) -> None:
+        if not flights:
+            self.running.finish()
+            return
+        first = flights[0]
+        self.running.hold(first.key.delivery, first.message, [f.message for f in flights[1:]])
+
+    def _retry_due(self) -> None:
+        if self.should_stop:
+            self._later = []  # unacknowledged: the broker delivers them again once this process is gone
+            return
+        now = time.monotonic()
+        due = [delivery for at, delivery in self._later if at <= now]
+        if due:
+            self._later = [(at, delivery) for at, delivery in self._later if at > now]
+            for delivery in due:
+                self._start(delivery)
+
+    def _idle_wait(self, longest: float) -> float:
+        if not self._later:
+            return longest
+        return max(0.0, min(longest, min(at for at, _ in self._later) - time.monotonic()))
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A message a consumer process holds, and how often its start could not be stored."""
+
+    message: Any  # kombu's
+    step: StepMessage
+    delivery: str  # its id, as the worker's note names it
+    tries: int = 0
+
+
 def decoded(message: Any) -> Any:
     """The body of ``message``: JSON in UTF-8, as every publisher of these queues sends it, by orjson.
 
@@ -249,7 +358,12 @@ class ConsumerPool:
         """The attempts the consumer processes run now, for the worker's registry row."""
         notes = {pid: self.running.note_of(pid) for pid in list(self.children)}
         return oldest_first(
-            [attempt_in_flight(n["message"], n.get("started"), pid) for pid, n in notes.items() if "message" in n]
+            [
+                attempt_in_flight(payload, n.get("started"), pid)
+                for pid, n in notes.items()
+                if "message" in n
+                for payload in [n["message"], *n.get("others", [])]
+            ]
         )
 
     # --- consumer processes ----------------------------------------------------------
@@ -296,20 +410,25 @@ class ConsumerPool:
             self.running.forget(pid)
 
     def _report(self, pid: int, reason: str, timed_out: bool) -> None:
-        """Record the attempt a dead consumer process ran as lost; nothing if it ran none."""
+        """Record the attempts a dead consumer process held as lost; nothing if it held none."""
         note = self.running.note_of(pid)
         if "message" not in note:
             log.warning("consumer process %d ended between steps: %s", pid, reason)
             return
-        step = StepMessage.from_payload(note["message"])
         if note.get("killed"):  # by its own hard time limit (RunningSteps.call)
             reason, timed_out = note["killed"], True
-        with attempt_context(AttemptFields.of(step)):
-            log.error("consumer process %d ended during a step: %s", pid, reason)
-            try:
-                self.consumer.lost(step, reason, timed_out=timed_out)
-            except Exception:  # the sweep (not this hook) is the safety net
-                log.exception("could not record a lost step attempt")
+        running = note.get("running")  # in a process holding several: the task whose handler ran
+        for payload in [note["message"], *note.get("others", [])]:
+            step = StepMessage.from_payload(payload)
+            why, timeout = reason, timed_out
+            if running is not None and running != step.task_id:  # it waited for its turn, or a commit
+                why, timeout = f"worker process lost while it ran another step: {reason}", False
+            with attempt_context(AttemptFields.of(step)):
+                log.error("consumer process %d ended during a step: %s", pid, why)
+                try:
+                    self.consumer.lost(step, why, timed_out=timeout)
+                except Exception:  # the sweep (not this hook) is the safety net
+                    log.exception("could not record a lost step attempt")
 
     def _kill_overdue(self) -> None:
         now = time.time()

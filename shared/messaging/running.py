@@ -56,6 +56,11 @@ class RunningSteps:
         self._deadline: float | None = None
         self._limit: float | None = None  # the hard limit that deadline enforces, in seconds
         self._note = -1  # the pool process's note file, open for writing
+        # A consumer process holding several deliveries (shared.group_commit): the
+        # attempts besides _current, as noted, and the task whose handler runs now.
+        self._others: list[dict[str, Any]] = []
+        self._payloads: dict[int, tuple[StepMessage, dict[str, Any]]] = {}
+        self._running: str | None = None
         self._note_pid: int | None = None
         owner = os.getpid()
 
@@ -89,9 +94,29 @@ class RunningSteps:
         self._limit = hard_limit
         self._write({})
 
+    def hold(self, delivery: str, message: StepMessage, others: list[StepMessage]) -> None:
+        """A consumer process holding several deliveries (shared.group_commit): each attempt, noted at once.
+
+        ``message`` (of ``delivery``) and the ``others`` wait for a commit or for
+        their turn on the process's one thread; if the process dies, the main
+        process reports each of them lost. No delivery has a deadline of its own:
+        the handler running has its hard limit (:meth:`call`).
+        """
+        if self._current is None or self._current[1] is not message:
+            self._run(delivery, message)
+            self._started = time.time()
+        self._deadline = self._limit = None
+        payloads = {}
+        for other in others:  # each made once while it is held: the note is written at every change
+            known = self._payloads.get(id(other))
+            payloads[id(other)] = known if known is not None and known[0] is other else (other, _noted_payload(other))
+        self._payloads = payloads
+        self._others = [payload for _, payload in payloads.values()]
+        self._write({})
+
     def finish(self) -> None:
         """The delivery is over: the note says so, and a death from now on loses no attempt."""
-        self._current, self._noted = None, {}
+        self._current, self._noted, self._others, self._payloads = None, {}, [], {}
         self._write({})
 
     def call(self, handler: Handler, ctx: StepContext, timeout: float) -> Mapping[str, Any] | PollLater | None:
@@ -102,6 +127,7 @@ class RunningSteps:
         watched = self._started > 0 and (self._deadline is None or deadline < self._deadline)
         if watched:  # a handler no signal reaches is killed at its own limit, not at its delivery's
             self._deadline, self._limit = deadline, timeout + self.grace
+            self._running = ctx.task_id if self._others else None
             self._write({})
         if timer:
             interrupted = False
@@ -126,6 +152,7 @@ class RunningSteps:
                 signal.signal(signal.SIGALRM, previous)
             if watched:
                 self._deadline, self._limit = delivery_limits
+                self._running = None
                 self._write({})
 
     def _kill_self(self, reason: str) -> None:
@@ -144,11 +171,12 @@ class RunningSteps:
         else:
             if not self._noted:
                 delivery, message = self._current
-                # The parameters and the task stay in the database; the report needs the step only.
-                self._noted = {"delivery": delivery, "message": evolve(message, parameters={}, known=None).to_payload()}
+                self._noted = {"delivery": delivery, "message": _noted_payload(message)}
             note = self._noted
             if self._started:
                 note = note | {"started": self._started, "deadline": self._deadline, "limit": self._limit}
+            if self._others:
+                note = note | {"others": self._others, "running": self._running}
             data = orjson.dumps(note | extra)  # up to three notes a step: a tenth of json's cost
         # One write at the start of the file, which stays open: a step run on costs a
         # system call, not an open, a write, a close and a rename. The length and
@@ -180,6 +208,8 @@ class RunningSteps:
         Keys: ``delivery``, ``message`` (a StepMessage payload), ``started`` (of
         the attempt), ``deadline`` (wall clock) and ``limit`` (the hard limit it
         enforces, in seconds), from :meth:`deliver`; ``killed`` (why it killed itself).
+        A process holding several deliveries (:meth:`hold`) adds ``others`` (their
+        payloads) and ``running`` (the task whose handler runs, None between handlers).
         """
         try:
             return read_note(self.directory / str(pid))
@@ -192,6 +222,11 @@ class RunningSteps:
             os.unlink(self.directory / str(pid))
         except FileNotFoundError:
             pass
+
+
+def _noted_payload(message: StepMessage) -> dict[str, Any]:
+    # The parameters and the task stay in the database; the report needs the step only.
+    return evolve(message, parameters={}, known=None).to_payload()
 
 
 def _prefix() -> str:

@@ -23,8 +23,8 @@ from shared.service import TaskService
 from shared.storage import StorageUnavailable, TaskFilter
 from shared.storage import driver as driver_module
 from shared.storage import sql as sql_module
-from shared.storage.driver import autocommit_cursor
 from shared.storage.base import Save
+from shared.storage.driver import autocommit_cursor
 from shared.storage.sql import PostgresStore
 from shared.testing import QueuePublisher
 from tests.integration.conftest import postgres_admin, postgres_schema

@@ -262,3 +262,42 @@ def test_while_a_handler_runs_the_note_holds_its_own_hard_limit(running: Running
     # A handler whose limit lies past its delivery's: the delivery's stays.
     running.call(lambda ctx: seen.update(running.note_of(_pid())), None, 60.0)  # type: ignore[arg-type]
     assert seen["limit"] == 26.0
+
+
+def test_a_process_holding_several_deliveries_notes_each_and_its_death_reports_each(running: RunningSteps) -> None:
+    """Group commit (shared.group_commit): every attempt held is noted; when the process
+    dies, the attempt whose handler ran gets the reason, the others a loss of their own."""
+    first = StepMessage("t1", "noop", 1, 0, StepType.NORMAL, 1, "alpha", "step", 20.0, 0)
+    second = StepMessage("t2", "noop", 1, 0, StepType.NORMAL, 1, "alpha", "step", 20.0, 0)
+    third = StepMessage("t3", "noop", 2, 1, StepType.NORMAL, 1, "beta", "step", 20.0, 0)
+    running.hold("delivery-1", first, [second, third])
+    note = running.note_of(_pid())
+    assert note["message"]["task_id"] == "t1" and note["running"] is None
+    assert [o["task_id"] for o in note["others"]] == ["t2", "t3"]
+    assert note["deadline"] is None  # no delivery's deadline: only a running handler's
+
+    class Ctx:
+        task_id = "t2"
+
+    seen: dict[str, Any] = {}
+    running.call(lambda ctx: seen.update(running.note_of(_pid())), Ctx(), 2.0)  # type: ignore[arg-type]
+    assert seen["running"] == "t2" and seen["limit"] == 2.0 + running.grace
+    assert running.note_of(_pid())["running"] is None
+
+    lost: list[tuple[str, str, bool]] = []
+
+    class Lost:
+        def lost(self, step: StepMessage, reason: str, timed_out: bool = False) -> None:
+            lost.append((step.task_id, reason, timed_out))
+
+    pool = module.ConsumerPool(lambda: None, Lost(), running, 1, 1.0, None)  # type: ignore[arg-type]
+    # Read while t2's handler runs, as the main process reads it once the process is dead.
+    running.call(lambda ctx: pool._report(_pid(), "killed after the hard time limit of 3s", True), Ctx(), 2.0)  # type: ignore[arg-type]
+    assert lost == [
+        ("t1", "worker process lost while it ran another step: killed after the hard time limit of 3s", False),
+        ("t2", "killed after the hard time limit of 3s", True),
+        ("t3", "worker process lost while it ran another step: killed after the hard time limit of 3s", False),
+    ]
+    assert [a["task_id"] for a in pool.in_flight()] == []  # no consumer process of its own: none listed
+    running.finish()
+    assert "message" not in running.note_of(_pid()) and "others" not in running.note_of(_pid())

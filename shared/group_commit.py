@@ -1,0 +1,225 @@
+"""Several deliveries in flight in one consumer process, their transitions committed together.
+
+A consumer process that holds one delivery at a time commits each of its
+transitions alone: the attempt's start, then each outcome (with the next step's
+start). Holding several (``worker_prefetch``), it drives each delivery's work as
+the generator :meth:`StepConsumer.steps`, which stops at every transition it
+needs stored, in rounds: every delivery whose transition was stored goes on, on
+this thread, up to its next transition or its end (running its next handler on
+the way); then every transition waiting is stored, all in one commit
+(:meth:`TaskService.apply_many`: one transaction and one round trip on
+PostgreSQL, the next messages published together). Handlers still run one at a
+time on the thread that drives the rounds, so an attempt's time limit (SIGALRM)
+interrupts its handler as before.
+
+No round waits to fill: a transition alone is committed at once. A transition
+waits only while the handlers of the deliveries resumed before its round's
+commit run; should one of them run past FLUSH_AFTER, the process's pulse thread
+(:data:`shared.consumer.PULSES`) commits what waits, so a long step holds no
+other flow back and no finished attempt misses its heartbeats.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.consumer import PULSES, StepConsumer, Store
+from shared.retry import reconnect_delay
+from shared.saga import Decision
+from shared.storage import StorageUnavailable
+from shared.task import StepMessage
+
+log = logging.getLogger(__name__)
+
+# A transition waits at most this long behind the handler of another delivery.
+FLUSH_AFTER = 0.02
+
+
+@dataclass(eq=False)
+class Flight:
+    """One delivery in flight: its work, paused at the transition it waits for."""
+
+    key: Any  # the caller's own: what it acknowledges once the delivery is over
+    message: StepMessage  # the step it runs now (a delivery may run on to the flow's next steps)
+    steps: Generator[Store, Decision, None] = field(repr=False)
+    # Each delivery's logging context (shared.logs) is its own, across its pauses.
+    context: contextvars.Context = field(default_factory=contextvars.copy_context, repr=False)
+
+
+@dataclass(eq=False)
+class _Waiting:
+    flight: Flight
+    store: Store
+    failing_since: float | None = None  # when storing it first failed: an outcome waits within its patience
+
+
+class GroupCommit:
+    """Drives the deliveries a consumer process holds, and commits their transitions together.
+
+    Not thread-safe but for :meth:`flush`, which the pulse thread calls: every
+    other method runs on the thread that drives the rounds. ``finished`` hears of
+    each delivery whose work is over (None) or failed (what it raised: a
+    :class:`StorageUnavailable` means the start could not be stored and nothing
+    ran, so the message is to be tried again), on that thread.
+    """
+
+    def __init__(
+        self,
+        consumer: StepConsumer,
+        finished: Callable[[Flight, BaseException | None], None],
+        noted: Callable[[list[Flight]], None] | None = None,
+    ) -> None:
+        self.consumer = consumer
+        self.finished = finished
+        self.noted = noted  # hears of the deliveries held whenever they change
+        self._flights: list[Flight] = []
+        self._waiting: list[_Waiting] = []
+        self._stored: deque[tuple[_Waiting, Decision | Exception]] = deque()
+        self._lock = threading.Lock()  # _waiting and _stored: the pulse thread's flush takes them too
+        self._failures = 0
+
+    def __len__(self) -> int:
+        """Deliveries held."""
+        return len(self._flights)
+
+    def start(
+        self,
+        key: Any,
+        message: StepMessage,
+        continue_until: float | None = None,
+        on_next: Callable[[StepMessage], None] | None = None,
+    ) -> None:
+        """Take a delivery: its work runs up to its first transition, which waits for the next commit."""
+        made: list[Flight] = []  # the flight, once made: its work tells it of each step it runs on to
+
+        def ran_on(following: StepMessage) -> None:
+            made[0].message = following
+            self._note()
+            if on_next is not None:
+                on_next(following)
+
+        flight = Flight(key, message, self.consumer.steps(message, continue_until, ran_on))
+        made.append(flight)
+        self._flights.append(flight)
+        self._note()
+        self._resume(flight, None)
+
+    def work(self) -> bool:
+        """One round: resume each delivery whose transition is stored, then commit those waiting.
+
+        False when there was nothing to do.
+        """
+        with self._lock:
+            stored, self._stored = self._stored, deque()
+        for waiting, answer in stored:
+            self._resume(waiting.flight, answer)
+        with self._lock:
+            group, self._waiting = self._waiting, []
+        if group and not self._commit(group):
+            self.consumer.sleep(reconnect_delay(self._failures - 1))
+        return bool(stored or group)
+
+    def flush(self) -> None:
+        """Commit what waits now (the pulse thread, while a handler runs long); a failure is left to the rounds."""
+        with self._lock:
+            group, self._waiting = self._waiting, []
+            if not group:
+                return
+            try:
+                answers = self.consumer.service.apply_many([w.store.change for w in group])
+            except StorageUnavailable:
+                self._waiting[:0] = group
+                return
+            self._stored.extend(zip(group, answers, strict=True))
+
+    def _commit(self, group: list[_Waiting]) -> bool:
+        """Store ``group`` in one commit; False when the database was unavailable."""
+        try:
+            answers = self.consumer.service.apply_many([w.store.change for w in group])
+        except StorageUnavailable as exc:
+            self._failures += 1
+            self._unstored(group, exc)
+            return False
+        self._failures = 0
+        with self._lock:
+            self._stored.extend(zip(group, answers, strict=True))
+        return True
+
+    def _unstored(self, group: list[_Waiting], exc: StorageUnavailable) -> None:
+        """A start fails at once (nothing ran); an outcome is tried again while within its patience."""
+        now = self.consumer.clock()
+        again, failed = [], []
+        for waiting in group:
+            if waiting.store.patient:
+                if waiting.failing_since is None:
+                    waiting.failing_since = now
+                    log.warning("storing the outcome failed, trying again: %s", exc)
+                if now - waiting.failing_since < self.consumer.settings.outcome_patience:
+                    again.append(waiting)
+                    continue
+            failed.append((waiting, exc))
+        with self._lock:
+            self._waiting[:0] = again
+            self._stored.extend(failed)
+
+    def _resume(self, flight: Flight, answer: Decision | Exception | None) -> None:
+        """Run ``flight`` on with ``answer`` up to its next transition, or to its end."""
+        flush = _Flush(self) if self._waiting else None
+        if flush is not None:  # this delivery's next handler may run long: what waits must not
+            PULSES.add(flush, time.monotonic() + FLUSH_AFTER)
+        try:
+            store = flight.context.run(_send, flight.steps, answer)
+        except StopIteration:
+            self._end(flight, None)
+            return
+        except Exception as exc:
+            self._end(flight, exc)
+            return
+        finally:
+            if flush is not None:
+                flush.stop()
+        with self._lock:
+            self._waiting.append(_Waiting(flight, store))
+
+    def _end(self, flight: Flight, exc: BaseException | None) -> None:
+        self._flights.remove(flight)
+        self._note()
+        self.finished(flight, exc)
+
+    def _note(self) -> None:
+        if self.noted is not None:
+            self.noted(list(self._flights))
+
+
+def _send(steps: Generator[Store, Decision, None], answer: Decision | Exception | None) -> Store:
+    if answer is None:
+        return next(steps)
+    if isinstance(answer, Exception):
+        return steps.throw(answer)
+    return steps.send(answer)
+
+
+class _Flush:
+    """A pulse (:class:`shared.consumer.Pulses`) that commits what waits, once, unless stopped first."""
+
+    task_id: str | None = None
+    interval = FLUSH_AFTER
+
+    def __init__(self, group: GroupCommit) -> None:
+        self.group = group
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def beat(self) -> float | None:
+        if not self.stopped:
+            self.group.flush()
+        return None

@@ -1,0 +1,120 @@
+"""A worker whose consumer process holds several deliveries (``ASYNCFLOW_WORKER_PREFETCH``),
+their transitions committed together, killed while it holds them. Real processes.
+
+- The consumer process alone killed (SIGKILL) while one of the held deliveries runs its
+  handler and the others wait for their turn: the worker's main process reports every
+  held attempt lost at once, and each runs again.
+- The whole worker killed between a handler's end and the commit of its outcome, with
+  other deliveries held: the broker delivers what was not acknowledged again, the
+  attempts whose start was stored expire when their heartbeats stop, and every flow ends
+  as it would have.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from shared.testing import wait_for
+from tests.e2e.conftest import open_stack
+from tests.e2e.stack import Stack
+from tests.e2e.test_up_supervision import children_of
+
+pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+
+WORKER = "worker-held"
+# Heartbeats at the default interval: a held delivery waiting for its turn sends none
+# (README, worker_prefetch), so its attempt would expire after three intervals.
+ENV = {"ASYNCFLOW_WORKER_PREFETCH": "4", "ASYNCFLOW_REQUEUE_AFTER": "2", "ASYNCFLOW_EXPIRE_GRACE": "2"}
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with open_stack("postgres-rabbitmq", tmp_path_factory.mktemp("held"), ENV, []) as stack:
+        yield stack
+
+
+def start_worker(stack: Stack) -> subprocess.Popen[bytes]:
+    """One consumer process: every delivery goes to it, up to the prefetch."""
+    return stack.spawn(WORKER, "worker", "alpha", "beta", "-c", "1")
+
+
+def stop_worker(stack: Stack) -> None:
+    proc = stack.procs.pop(WORKER, None)
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the worker and its consumer process
+        proc.wait(timeout=10)
+
+
+def submit_together(stack: Stack, flow: str, parameters: list[dict[str, Any]]) -> list[str]:
+    """Published together, while no worker runs: the worker started next is sent them at once."""
+    body = {"tasks": [{"flow": flow, "parameters": p} for p in parameters]}
+    response = httpx.post(stack.url + "/api/batches", json=body, timeout=10)
+    assert response.status_code in (200, 201), response.text
+    return [t["task_id"] for t in response.json()["tasks"]]
+
+
+def running_attempts(stack: Stack, task_ids: list[str]) -> int:
+    count = 0
+    for task_id in task_ids:
+        attempts = stack.get(task_id)["attempts"]
+        count += bool(attempts) and attempts[-1]["outcome"] is None
+    return count
+
+
+def test_a_consumer_process_killed_holding_several_deliveries_has_each_reported_lost(
+    held: Stack, tmp_path: Path
+) -> None:
+    gate = tmp_path / "go"
+    # Step 0 of each works until the gate exists: the first runs, the others wait their turn.
+    task_ids = submit_together(held, "long", [{"wait_for_file": {"0": str(gate)}}] * 3)
+    worker = start_worker(held)
+    try:
+        wait_for(lambda: running_attempts(held, task_ids) == 3, 30, "the three starts, stored together")
+        (consumer,) = wait_for(lambda: children_of(worker.pid) or None, 10, "the consumer process")
+        killed_at = time.time()
+        os.kill(consumer, signal.SIGKILL)  # the consumer process alone: its worker reports what it held
+        gate.touch()
+        docs = [held.wait_stopped(t, timeout=60) for t in task_ids]
+    finally:
+        stop_worker(held)
+
+    for doc in docs:
+        assert doc["task_status"] == 0, doc
+        first, again = doc["attempts"]
+        assert (first["outcome"], again["outcome"]) == ("failed", "succeeded"), doc["attempts"]
+        assert "worker process lost" in first["error"], first
+        # Reported by the worker's main process at once, not found by a sweep seconds later.
+        assert first["ended_at"] - killed_at < 3.0, (first, killed_at)
+    errors = [doc["attempts"][0]["error"] for doc in docs]
+    assert sum("while it ran another step" in e for e in errors) == 2, errors
+
+
+def test_a_worker_killed_between_a_handlers_end_and_the_commit_loses_no_flow_it_held(
+    held: Stack, tmp_path: Path
+) -> None:
+    marker = tmp_path / "killed"
+    parameters: list[dict[str, Any]] = [{}, {"kill_worker_after": {"1": str(marker)}}, {}, {}]
+    task_ids = submit_together(held, "short", parameters)
+    worker = start_worker(held)
+    try:
+        wait_for(lambda: marker.exists() and worker.poll() is not None, 30, "the worker to die")
+        start_worker(held)
+        docs = [held.wait_stopped(t, timeout=60) for t in task_ids]
+    finally:
+        stop_worker(held)
+
+    assert [doc["task_status"] for doc in docs] == [0] * 4, docs
+    runs = [(e["cursor"], e["attempt"]) for e in held.executions(task_ids[1])]
+    assert runs == [(0, 1), (1, 1), (1, 2)], runs
+    attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in docs[1]["attempts"]]
+    # Its handler did the work; the outcome was never committed: the attempt expired and ran again.
+    assert attempts == [(0, 1, "succeeded"), (1, 1, "expired"), (1, 2, "succeeded")], attempts

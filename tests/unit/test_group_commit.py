@@ -1,0 +1,283 @@
+"""Several deliveries in flight in one consumer process, their transitions committed together
+(shared.group_commit.GroupCommit), through the in-process harness.
+
+What is stored must be what the same flows store when each delivery is handled alone,
+one transition per commit; only the number of commits may differ.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared.config import Settings
+from shared.flows import load_flows
+from shared.group_commit import FLUSH_AFTER, Flight, GroupCommit
+from shared.logs import AttemptFields, attempt_context, current_attempt
+from shared.module import Module, StepContext
+from shared.saga import Cancel
+from shared.states import TaskStatus
+from shared.storage import InMemoryStore, StorageUnavailable
+from shared.storage.base import Save
+from shared.task import StepMessage
+from shared.testing import Harness
+from tests.support import testmod
+
+FLOWS = load_flows(Path(__file__).resolve().parents[1] / "support" / "flows.yaml")
+FAR = 1e9  # seconds: every step fits in its delivery
+
+
+class CountingStore(InMemoryStore):
+    """Records the size of each group of transitions written together; fails on demand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: list[int] = []
+        self.unavailable = 0  # the next this many save_many calls raise StorageUnavailable
+
+    def save_many(self, saves: Sequence[Save]) -> list[bool]:
+        if self.unavailable:
+            self.unavailable -= 1
+            raise StorageUnavailable("database down (test)")
+        self.groups.append(len(saves))
+        return super().save_many(saves)
+
+
+def harness(modules: dict[str, Module] | None = None, **overrides: Any) -> Harness:
+    modules = modules or {"alpha": testmod.alpha, "beta": testmod.beta}
+    return Harness(FLOWS, modules, store=CountingStore(), settings=Settings(home=Path(".t"), **overrides))
+
+
+def run_alone(h: Harness) -> None:
+    """Each delivery handled alone, as a consumer process holding one at a time."""
+    for _ in range(10_000):
+        if h.publisher.messages:
+            h.consumer.handle(h.publisher.messages.popleft(), continue_until=h.clock() + FAR)
+        elif not h._release_due():
+            return
+    raise RuntimeError("flows did not settle")
+
+
+def run_grouped(h: Harness, holding: int) -> list[tuple[Flight, BaseException | None]]:
+    """Up to ``holding`` deliveries in flight, in rounds, as a consumer process with that prefetch."""
+    ended: list[tuple[Flight, BaseException | None]] = []
+    group = GroupCommit(h.consumer, lambda flight, exc: ended.append((flight, exc)))
+    for _ in range(10_000):
+        while h.publisher.messages and len(group) < holding:
+            message = h.publisher.messages.popleft()
+            group.start(message, message, continue_until=h.clock() + FAR)
+        if group.work() or h.publisher.messages:
+            continue
+        assert not len(group), "a held delivery that no round moves on"
+        if not h._release_due():
+            return ended
+    raise RuntimeError("flows did not settle")
+
+
+def stories(h: Harness, task_ids: list[str]) -> list[tuple[Any, ...]]:
+    """What each task ended as, and its attempt log, without times and ids."""
+    told = []
+    for task_id in task_ids:
+        task = h.service.get(task_id)
+        attempts = [(a.cursor, int(a.type), a.attempt, a.outcome, a.error) for a in h.service.attempts(task_id)]
+        told.append((task.status, [s.state for s in task.steps], task.version, attempts))
+    return told
+
+
+def submit_all(h: Harness, submissions: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    return [h.service.submit(flow, parameters)[0].task_id for flow, parameters in submissions]
+
+
+PARAMETERS = st.fixed_dictionaries(
+    {},
+    optional={
+        "fail_at": st.lists(st.integers(0, 2), max_size=2),
+        "fail_rollback_at": st.lists(st.integers(0, 2), max_size=1),
+        "flaky": st.dictionaries(st.sampled_from(["0", "1", "2"]), st.integers(1, 2), max_size=2),
+        "poll": st.dictionaries(st.sampled_from(["0", "1", "2"]), st.integers(1, 2), max_size=1),
+    },
+)
+SUBMISSIONS = st.lists(st.tuples(st.sampled_from(["three", "noop", "short"]), PARAMETERS), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(submissions=SUBMISSIONS, holding=st.integers(2, 8))
+def test_flows_held_together_store_what_each_alone_stores(
+    submissions: list[tuple[str, dict[str, Any]]], holding: int
+) -> None:
+    """Successes, failures, retries, polls and rollbacks: the same tasks and attempt logs."""
+    alone = harness()
+    alone_ids = submit_all(alone, submissions)
+    run_alone(alone)
+
+    grouped = harness()
+    grouped_ids = submit_all(grouped, submissions)
+    ended = run_grouped(grouped, holding)
+
+    assert stories(grouped, grouped_ids) == stories(alone, alone_ids)
+    assert all(exc is None for _, exc in ended)
+    settled = {TaskStatus.SUCCESS, TaskStatus.FAILED, TaskStatus.ROLLBACK_FAILED}
+    assert all(grouped.service.get(t).status in settled for t in grouped_ids)
+
+
+def test_the_first_steps_of_flows_taken_together_start_in_one_commit_and_go_on_together() -> None:
+    h = harness()
+    task_ids = submit_all(h, [("noop", {})] * 4)
+    run_grouped(h, holding=4)
+    assert [h.service.get(t).status for t in task_ids] == [TaskStatus.SUCCESS] * 4
+    store = h.store
+    assert isinstance(store, CountingStore)
+    # Four starts, then three rounds of four outcomes (each with the next step's start): 16 transitions.
+    assert store.groups == [4, 4, 4, 4]
+
+
+def test_a_start_the_database_refused_ends_its_delivery_with_the_error_and_nothing_runs() -> None:
+    h = harness()
+    (task_id,) = submit_all(h, [("noop", {})])
+    store = h.store
+    assert isinstance(store, CountingStore)
+    store.unavailable = 1
+    ended: list[tuple[Flight, BaseException | None]] = []
+    group = GroupCommit(h.consumer, lambda flight, exc: ended.append((flight, exc)))
+    message = h.publisher.messages.popleft()
+    group.start("delivery", message)
+    while len(group):
+        group.work()
+    ((flight, exc),) = ended
+    assert flight.key == "delivery" and isinstance(exc, StorageUnavailable)
+    assert h.service.attempts(task_id) == []  # nothing started, nothing ran: the message is tried again
+
+
+def test_an_outcome_the_database_refused_is_stored_once_it_is_back_within_the_patience() -> None:
+    h = harness(outcome_patience=60.0)
+    (task_id,) = submit_all(h, [("noop", {})])
+    store = h.store
+    assert isinstance(store, CountingStore)
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    message = h.publisher.messages.popleft()
+    group.start("delivery", message, continue_until=h.clock() + FAR)
+    group.work()  # the start, stored
+    store.unavailable = 2
+    slept: list[float] = []
+    h.consumer.sleep = slept.append
+    while len(group):
+        group.work()
+    assert len(slept) == 2  # a pause after each refusal
+    assert h.service.get(task_id).status is TaskStatus.SUCCESS
+    assert [a.outcome for a in h.service.attempts(task_id)] == ["succeeded"] * 3
+
+
+def test_an_outcome_refused_past_the_patience_is_left_to_the_expiry_sweep() -> None:
+    h = harness(outcome_patience=5.0)
+    (task_id,) = submit_all(h, [("noop", {})])
+    store = h.store
+    assert isinstance(store, CountingStore)
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    group.start("delivery", h.publisher.messages.popleft(), continue_until=h.clock() + FAR)
+    group.work()  # the start, stored
+    store.unavailable = 1_000
+
+    def sleep(seconds: float) -> None:
+        h.clock.now += 3.0
+
+    h.consumer.sleep = sleep
+    while len(group):
+        group.work()
+    attempts = h.service.attempts(task_id)
+    assert [(a.cursor, a.outcome) for a in attempts] == [(0, None)]  # still running: the sweep expires it
+
+
+def test_an_outcome_does_not_wait_behind_a_long_handler_of_another_delivery() -> None:
+    """The pulse thread commits what waits once another delivery's handler runs past FLUSH_AFTER."""
+    h = harness({"alpha": Module("alpha"), "beta": Module("beta")})
+    release = threading.Event()
+    seen_stored: list[bool] = []
+
+    @h.consumer.modules["alpha"].command("step")
+    def step(ctx: StepContext) -> None:
+        if ctx.parameters.get("long"):
+            # The quick flow's outcome, finished before this handler began, is committed meanwhile.
+            seen_stored.append(release.wait(5.0))
+
+    @h.consumer.modules["beta"].command("step")
+    def other(ctx: StepContext) -> None:
+        return None
+
+    quick, slow = submit_all(h, [("short", {}), ("short", {"long": True})])
+    store = h.store
+    assert isinstance(store, CountingStore)
+    original = store.save_many
+
+    def save_many(saves: Sequence[Save]) -> list[bool]:
+        written = original(saves)
+        if any(s.task.task_id == quick and s.attempt is not None and s.attempt.outcome for s in saves):
+            release.set()
+        return written
+
+    store.save_many = save_many  # type: ignore[method-assign]
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    for _ in range(2):
+        message = h.publisher.messages.popleft()
+        group.start(message, message)  # no running on: each step is published
+    started = time.monotonic()
+    while len(group):
+        group.work()
+    assert seen_stored == [True]
+    assert time.monotonic() - started < 2.0 + FLUSH_AFTER
+
+
+def test_each_delivery_runs_in_its_own_logging_context() -> None:
+    """A delivery's fields (task, step) go with it across its pauses, not onto the delivery resumed next."""
+    h = harness({"alpha": Module("alpha"), "beta": testmod.beta})
+    seen: list[tuple[str, str | None]] = []
+
+    @h.consumer.modules["alpha"].command("step")
+    def step(ctx: StepContext) -> None:
+        fields = current_attempt()
+        seen.append((ctx.task_id, fields.task_id if fields is not None else None))
+
+    submit_all(h, [("noop", {})] * 3)
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    for _ in range(3):
+        message = h.publisher.messages.popleft()
+        with attempt_context(AttemptFields.of(message)):  # as the consumer process takes a delivery
+            group.start(message, message, continue_until=h.clock() + FAR)
+    assert current_attempt() is None
+    while len(group):
+        group.work()
+        assert current_attempt() is None
+    assert len(seen) == 6
+    assert all(task_id == logged for task_id, logged in seen), seen
+
+
+def test_a_delivery_that_runs_on_tells_who_notes_the_steps_held() -> None:
+    h = harness()
+    submit_all(h, [("noop", {})] * 2)
+    noted: list[list[StepMessage]] = []
+    group = GroupCommit(h.consumer, lambda flight, exc: None, lambda flights: noted.append([f.message for f in flights]))
+    for _ in range(2):
+        message = h.publisher.messages.popleft()
+        group.start(message, message, continue_until=h.clock() + FAR)
+    while len(group):
+        group.work()
+    cursors = [[m.cursor for m in held] for held in noted]
+    assert cursors[:2] == [[0], [0, 0]]  # each delivery, as it is taken
+    assert [1, 0] in cursors or [0, 1] in cursors  # one ran on to its next step, the other waited
+    assert cursors[-1] == []  # none held at the end
+
+
+@pytest.mark.parametrize("holding", [2, 5])
+def test_a_cancelled_task_s_queued_step_does_not_run_when_held_with_others(holding: int) -> None:
+    h = harness()
+    cancelled, other = submit_all(h, [("three", {}), ("three", {})])
+    h.service.operate(cancelled, Cancel())
+    run_grouped(h, holding)
+    assert h.service.get(cancelled).status is TaskStatus.CANCELLED
+    assert h.service.get(other).status is TaskStatus.SUCCESS
