@@ -18,8 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from shared import metrics
 from shared.config import Settings
@@ -40,8 +39,7 @@ Outcome = Mapping[str, Any] | PollLater | None
 OutcomeEvent = Succeeded | Failed | PollLaterEvent
 
 
-@dataclass(frozen=True)
-class Store:
+class Store(NamedTuple):
     """A transition an attempt needs stored before it goes on (:meth:`StepConsumer.steps`).
 
     ``patient``: an outcome, worth waiting for through a database outage of up

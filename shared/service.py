@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from shared import metrics
 from shared.config import Settings
@@ -446,8 +446,7 @@ class TaskService:
         return self.store.events(task_id)
 
 
-@dataclass(frozen=True)
-class Change:
+class Change(NamedTuple):
     """One transition for :meth:`TaskService.apply_many`: :meth:`TaskService.apply`'s arguments."""
 
     task_id: str
@@ -459,6 +458,8 @@ class Change:
 
 class _Step:
     """The decision and the write of one change, on whichever copy of its task it is tried."""
+
+    __slots__ = ("service", "change", "now", "_carried")
 
     def __init__(self, service: TaskService, change: Change, now: float) -> None:
         self.service = service

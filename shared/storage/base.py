@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from shared.pull.rules import PullTask, TaskType
 from shared.records import evolve
@@ -197,8 +197,7 @@ def matches_parameter(parameters: Mapping[str, Any], wanted: tuple[tuple[str, ..
 CREATED_VERSION = 1
 
 
-@dataclass(frozen=True)
-class Save:
+class Save(NamedTuple):
     """One transition for :meth:`TaskStore.save_many`: :meth:`TaskStore.save`'s arguments, no operator's event."""
 
     task: Task

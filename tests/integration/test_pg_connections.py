@@ -305,7 +305,7 @@ def test_transitions_saved_together_are_one_transaction_and_one_refused_sends_ea
         assert wal_before is not None and xids is not None and xids["n"] == 1  # one transaction wrote the three
         tasks = [replace(t, message="together", version=t.version + 1) for t in tasks]
         saves = [Save(replace(t, message="again"), NOW + 2) for t in tasks]
-        saves[1] = replace(saves[1], task=replace(tasks[1], priority=2**70))  # the column is an integer
+        saves[1] = saves[1]._replace(task=replace(tasks[1], priority=2**70))  # the column is an integer
         assert store.save_many(saves) == [True, False, True]
         assert [store.get(t.task_id).message for t in tasks] == ["again", "together", "again"]  # type: ignore[union-attr]
         assert kept_backend(store) == backend  # a refused statement does not cost the connection

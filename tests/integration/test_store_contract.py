@@ -345,7 +345,7 @@ class TestTaskStoreContract:
         starts = [AttemptRecord(t.task_id, 1, 0, StepType.NORMAL, 1, "m", "c", started_at=NOW + 1) for t in tasks]
         stale = replace(tasks[3], version=tasks[3].version + 1)  # another writer got there first
         saves = [Save(replace(t, status=TaskStatus.RUNNING), NOW + 1, a) for t, a in zip(tasks, starts, strict=True)]
-        saves[3] = replace(saves[3], task=replace(stale, status=TaskStatus.RUNNING))
+        saves[3] = saves[3]._replace(task=replace(stale, status=TaskStatus.RUNNING))
         # Not in the order of their ids: the store may reorder them, the answers may not.
         order = [4, 0, 3, 2, 1]
         assert store.save_many([saves[i] for i in order]) == [i != 3 for i in order]
