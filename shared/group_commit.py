@@ -15,8 +15,9 @@ interrupts its handler as before.
 No round waits to fill: a transition alone is committed at once. A transition
 waits only while the handlers of the deliveries resumed before its round's
 commit run; should one of them run past FLUSH_AFTER, the process's pulse thread
-(:data:`shared.consumer.PULSES`) commits what waits, so a long step holds no
-other flow back and no finished attempt misses its heartbeats.
+(:data:`shared.consumer.PULSES`) commits the outcomes waiting, so no finished
+attempt waits for it, and their next steps are published for other consumers.
+The deliveries held still wait for it to end: a long step holds them back.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from shared.task import StepMessage
 
 log = logging.getLogger(__name__)
 
-# A transition waits at most this long behind the handler of another delivery.
-FLUSH_AFTER = 0.02
+# Outcomes wait about this long behind the handler of another delivery (the pulse
+# thread wakes a little late, up to shared.consumer.PULSE_SLACK).
+FLUSH_AFTER = 0.05
 
 
 @dataclass(eq=False)
@@ -127,30 +129,52 @@ class GroupCommit:
         return bool(stored or group)
 
     def flush(self) -> None:
-        """Commit what waits now (the pulse thread, while a handler runs long); a failure is left to the rounds."""
+        """Commit the outcomes waiting now (the pulse thread, while a handler runs long).
+
+        Their next steps are published rather than run here, where they would wait
+        for the long handler with their start stored and no pulse; the starts of
+        deliveries just taken wait for their turn (nothing is stored of them yet,
+        so nothing of them expires). A failure is left to the rounds.
+        """
         with self._lock:
-            group, self._waiting = self._waiting, []
-            if not group:
+            outcomes = [w for w in self._waiting if w.store.patient]
+            if not outcomes:
                 return
+            self._waiting = [w for w in self._waiting if not w.store.patient]
             try:
-                answers = self.consumer.service.apply_many([w.store.change for w in group])
-            except StorageUnavailable:
-                self._waiting[:0] = group
+                answers = self.consumer.service.apply_many([w.store.change._replace(keep=None) for w in outcomes])
+            except Exception:  # apply_many answers for each change: a defect, left to the rounds
+                log.exception("committing the outcomes behind a long handler failed")
+                self._waiting[:0] = outcomes
                 return
-            self._stored.extend(zip(group, answers, strict=True))
+            for waiting, answer in zip(outcomes, answers, strict=True):
+                if isinstance(answer, StorageUnavailable):
+                    self._waiting.append(waiting)
+                else:
+                    self._stored.append((waiting, answer))
 
     def _commit(self, group: list[_Waiting]) -> bool:
-        """Store ``group`` in one commit; False when the database was unavailable."""
+        """Store ``group`` in one commit; False when the database was unavailable to some of it."""
         try:
-            answers = self.consumer.service.apply_many([w.store.change for w in group])
-        except StorageUnavailable as exc:
-            self._failures += 1
-            self._unstored(group, exc)
-            return False
-        self._failures = 0
+            answers: list[Decision | Exception] = self.consumer.service.apply_many([w.store.change for w in group])
+        except Exception as defect:  # apply_many answers for each change: a defect, which ends the deliveries
+            log.exception("committing a group of transitions failed")
+            answers = [defect] * len(group)
+        unavailable: list[_Waiting] = []
+        exc: StorageUnavailable | None = None
         with self._lock:
-            self._stored.extend(zip(group, answers, strict=True))
-        return True
+            for waiting, answer in zip(group, answers, strict=True):
+                if isinstance(answer, StorageUnavailable):
+                    unavailable.append(waiting)
+                    exc = answer
+                else:
+                    self._stored.append((waiting, answer))
+        if exc is None:
+            self._failures = 0
+            return True
+        self._failures += 1
+        self._unstored(unavailable, exc)
+        return False
 
     def _unstored(self, group: list[_Waiting], exc: StorageUnavailable) -> None:
         """A start fails at once (nothing ran); an outcome is tried again while within its patience."""

@@ -43,7 +43,7 @@ from shared.saga import (
     unrecorded_start,
 )
 from shared.states import Phase, StepType
-from shared.storage import AttemptRecord, TaskEvent, TaskFilter, TaskStore
+from shared.storage import AttemptRecord, StorageUnavailable, TaskEvent, TaskFilter, TaskStore
 from shared.storage.base import CREATED_VERSION, Save, all_stored, create_each
 from shared.storage.codec import task_fields
 from shared.task import Alarm, StepMessage, Task, new_task
@@ -300,11 +300,12 @@ class TaskService:
         on PostgreSQL), then the next messages of all are published together. A
         change without a copy, one whose compare-and-set lost, or one decided to
         change nothing (the copy may be out of date), goes on alone as
-        :meth:`apply` would. Returns each change's decision, or what its
-        :meth:`apply` raised; :class:`StorageUnavailable` from the group's write is
-        raised, nothing of the group written. Two changes of one task (a message
-        and its copy, both delivered) are both decided on its copy: the second's
-        compare-and-set then fails, and it goes on alone.
+        :meth:`apply` would; so does every change when the group's write fails
+        (refused, or the database unavailable: nothing of it is written). Never
+        raises: returns each change's decision, or what its :meth:`apply` raised
+        (:class:`StorageUnavailable` among them). Two changes of one task (a
+        message and its copy, both delivered) are both decided on its copy: the
+        second's compare-and-set then fails, and it goes on alone.
         """
         now = self.clock()
         answers: list[Decision | Exception | None] = [None] * len(changes)
@@ -317,7 +318,14 @@ class TaskService:
             save = step.save(change.known, decision)
             if save is not None:
                 group.append((i, step, decision, save))
-        written = self.store.save_many([save for *_, save in group]) if group else []
+        written = [False] * len(group)
+        if group:
+            try:
+                written = self.store.save_many([save for *_, save in group])
+            except StorageUnavailable:
+                pass  # each alone finds it unavailable too, and answers so
+            except Exception:
+                log.warning("a group of %d transitions was refused: each goes on alone", len(group), exc_info=True)
         done = [(i, step, decision) for (i, step, decision, _), ok in zip(group, written, strict=True) if ok]
         self._after([(step.change.known, decision) for _, step, decision in done])  # type: ignore[misc]
         for i, step, decision in done:

@@ -19,7 +19,8 @@ main process only supervises:
 The messages are Celery's (protocol 2, as :class:`CeleryPublisher` sends them):
 a Celery worker can consume the same queues. A consumer process takes one
 message at a time (prefetch 1): a long step holds no other message back, and
-delivery priorities are honoured at each take. When a consumer process dies,
+delivery priorities are honoured at each take. With ``worker_prefetch`` above 1
+it holds several, their transitions committed together (:class:`GroupedStepMessages`). When a consumer process dies,
 RabbitMQ and Redis deliver its message again (dropped as stale if its attempt
 was recorded); the embedded broker keeps it hidden, and the scheduler's sweep
 publishes the step again.
@@ -225,18 +226,19 @@ class GroupedStepMessages(StepMessages):
                     for _ in range(self.prefetch - 1):  # what else has come, into the same round
                         conn.drain_events(timeout=0)
                 except TimeoutError:
-                    if wait:
-                        conn.heartbeat_check()
+                    pass
                 except OSError:
                     if not self.should_stop:
                         raise
+                conn.heartbeat_check()  # the broker's heartbeats, busy or not (a clock read when none is due)
                 yield
 
     def _step(self, step: StepMessage, message: Any) -> None:
         if self.should_stop:
             message.requeue()  # taken in the same read as the stop: for another consumer
             return
-        self._start(Delivery(message, step, str(message.headers.get("id") or message.delivery_tag)))
+        hard, _soft = message.headers.get("timelimit") or (None, None)
+        self._start(Delivery(message, step, str(message.headers.get("id") or message.delivery_tag), hard))
 
     def _start(self, delivery: Delivery) -> None:
         soft = (delivery.message.headers.get("timelimit") or (None, None))[1]
@@ -268,7 +270,8 @@ class GroupedStepMessages(StepMessages):
             self.running.finish()
             return
         first = flights[0]
-        self.running.hold(first.key.delivery, first.message, [f.message for f in flights[1:]])
+        limits = [f.key.hard for f in flights if f.key.hard]
+        self.running.hold(first.key.delivery, first.message, [f.message for f in flights[1:]], max(limits, default=None))
 
     def _retry_due(self) -> None:
         if self.should_stop:
@@ -294,6 +297,7 @@ class Delivery:
     message: Any  # kombu's
     step: StepMessage
     delivery: str  # its id, as the worker's note names it
+    hard: float | None  # its hard time limit, in seconds (the message's header)
     tries: int = 0
 
 

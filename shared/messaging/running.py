@@ -61,6 +61,8 @@ class RunningSteps:
         self._others: list[dict[str, Any]] = []
         self._payloads: dict[int, tuple[StepMessage, dict[str, Any]]] = {}
         self._running: str | None = None
+        self._holding = False
+        self._held_limit: float | None = None  # the longest hard limit of the deliveries held
         self._note_pid: int | None = None
         owner = os.getpid()
 
@@ -94,18 +96,23 @@ class RunningSteps:
         self._limit = hard_limit
         self._write({})
 
-    def hold(self, delivery: str, message: StepMessage, others: list[StepMessage]) -> None:
+    def hold(self, delivery: str, message: StepMessage, others: list[StepMessage], limit: float | None) -> None:
         """A consumer process holding several deliveries (shared.group_commit): each attempt, noted at once.
 
         ``message`` (of ``delivery``) and the ``others`` wait for a commit or for
         their turn on the process's one thread; if the process dies, the main
-        process reports each of them lost. No delivery has a deadline of its own:
-        the handler running has its hard limit (:meth:`call`).
+        process reports each of them lost. While no handler runs, the note's
+        deadline is ``limit`` (the longest hard limit of the deliveries held) from
+        the last time the deliveries moved on: a process stuck between handlers
+        (a commit that never answers) is killed then. While a handler runs, its
+        own hard limit is the deadline (:meth:`call`).
         """
         if self._current is None or self._current[1] is not message:
             self._run(delivery, message)
             self._started = time.time()
-        self._deadline = self._limit = None
+        self._holding, self._held_limit = True, limit
+        self._deadline = time.time() + limit if limit else None
+        self._limit = limit
         payloads = {}
         for other in others:  # each made once while it is held: the note is written at every change
             known = self._payloads.get(id(other))
@@ -117,6 +124,7 @@ class RunningSteps:
     def finish(self) -> None:
         """The delivery is over: the note says so, and a death from now on loses no attempt."""
         self._current, self._noted, self._others, self._payloads = None, {}, [], {}
+        self._holding, self._held_limit = False, None
         self._write({})
 
     def call(self, handler: Handler, ctx: StepContext, timeout: float) -> Mapping[str, Any] | PollLater | None:
@@ -124,7 +132,8 @@ class RunningSteps:
         timer = threading.current_thread() is threading.main_thread()  # where Celery runs tasks
         delivery_limits = self._deadline, self._limit
         deadline = time.time() + timeout + self.grace + KILL_MARGIN
-        watched = self._started > 0 and (self._deadline is None or deadline < self._deadline)
+        # Holding several deliveries, the handler's own limit stands, sooner or later than theirs.
+        watched = self._started > 0 and (self._holding or self._deadline is None or deadline < self._deadline)
         if watched:  # a handler no signal reaches is killed at its own limit, not at its delivery's
             self._deadline, self._limit = deadline, timeout + self.grace
             self._running = ctx.task_id if self._others else None
@@ -152,6 +161,9 @@ class RunningSteps:
                 signal.signal(signal.SIGALRM, previous)
             if watched:
                 self._deadline, self._limit = delivery_limits
+                if self._holding:  # the deliveries held moved on: their deadline starts again
+                    limit = self._held_limit
+                    self._deadline, self._limit = (time.time() + limit if limit else None), limit
                 self._running = None
                 self._write({})
 

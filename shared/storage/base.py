@@ -251,12 +251,22 @@ class TaskStore(abc.ABC):
         """
 
     def save_many(self, saves: Sequence[Save]) -> builtins.list[bool]:
-        """:meth:`save` each of ``saves`` (steps' transitions of distinct tasks); which were written.
+        """:meth:`save` each of ``saves`` (steps' transitions); which were written.
 
-        Each is a compare-and-set of its own, as :meth:`save` does it; a store may
-        commit them together (group commit): PostgreSQL's does, in one round trip.
+        Each is a compare-and-set of its own, as :meth:`save` does it. A store may
+        commit them together (group commit; PostgreSQL's does, in one round trip),
+        and then raises, nothing written, when one is refused. Saved one by one,
+        as here, one that raises is not written (False) and the others go on:
+        what was written is never hidden behind an error.
         """
-        return [self.save(s.task, s.now, s.attempt, next_attempt=s.next_attempt) for s in saves]
+        written = []
+        for save in saves:
+            try:
+                written.append(self.save(save.task, save.now, save.attempt, next_attempt=save.next_attempt))
+            except Exception:
+                log.warning("a transition was not saved", exc_info=True, extra={"task_id": save.task.task_id})
+                written.append(False)
+        return written
 
     @abc.abstractmethod
     def events(self, task_id: str) -> builtins.list[TaskEvent]:

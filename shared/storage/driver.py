@@ -17,6 +17,7 @@ import itertools
 import math
 import os
 import re
+import select
 import threading
 import time
 import weakref
@@ -27,8 +28,8 @@ from weakref import WeakKeyDictionary
 
 import psycopg
 from psycopg.adapt import PyFormat, Transformer
-from psycopg.pq import ConnStatus, ExecStatus
-from psycopg.pq.abc import PGresult
+from psycopg.pq import ConnStatus, ExecStatus, PipelineStatus
+from psycopg.pq.abc import PGconn, PGresult
 from psycopg.rows import dict_row
 from sqlalchemy import Engine, event
 from sqlalchemy.exc import DBAPIError, DisconnectionError
@@ -146,14 +147,16 @@ class _Bound(NamedTuple):
     formats: Any
 
 
-def count_together(cursor: psycopg.Cursor[dict[str, Any]], runs: Sequence[tuple[DriverStatement, Mapping[str, Any]]]) -> list[int]:
+def count_together(
+    cursor: psycopg.Cursor[dict[str, Any]], runs: Sequence[tuple[DriverStatement, Mapping[str, Any]]]
+) -> list[int]:
     """Run statements as :meth:`DriverStatement.count` does, all in one round trip and one transaction.
 
     libpq's pipeline mode: the statements are sent back to back, then a sync, and
     PostgreSQL runs what lies between two syncs as one implicit transaction, made
     durable by one WAL flush. A statement refused rolls them all back: its error
-    is raised, as count() raises it, and nothing is written (the caller may run
-    them one by one). In autocommit only, as count().
+    is raised, as count() raises it, and nothing is written. In autocommit only,
+    as count().
     """
     if len(runs) == 1:
         statement, values = runs[0]
@@ -162,35 +165,61 @@ def count_together(cursor: psycopg.Cursor[dict[str, Any]], runs: Sequence[tuple[
     assert conn.autocommit, "count_together() runs in autocommit"
     bound = [statement._bind(conn, values) for statement, values in runs]
     own = _own_prepared_on(conn)
-    pgconn = conn.pgconn
     with conn.lock:
         own.counted(conn, len(bound))
-        names = [own.prepared(conn, b) for b in bound]  # prepared before: the pipeline holds executions only
-        pgconn.enter_pipeline_mode()
-        try:
-            for name, b in zip(names, bound, strict=True):
-                pgconn.send_query_prepared(name, b.dumped, b.formats)
-            pgconn.pipeline_sync()
-            results = []
-            for _ in bound:
-                results.append(pgconn.get_result())
-                while pgconn.get_result() is not None:  # each statement's results end with a null
-                    pass
-            synced = pgconn.get_result()
-        finally:
-            if pgconn.status == ConnStatus.OK:
+        for last_try in (False, True):
+            try:
+                return [_number(result) for result in _pipelined(conn, own, bound)]
+            except psycopg.errors.InvalidSqlStatementName:
+                # Dropped behind our back, as count() finds: nothing was written; prepared again, once.
+                if last_try:
+                    raise
+                own.names.clear()
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _pipelined(conn: psycopg.Connection[Any], own: _OwnPrepared, bound: list[_Bound]) -> list[PGresult]:
+    """One pipeline of ``bound``'s executions and its sync: their results, or the first refusal raised."""
+    pgconn = conn.pgconn
+    names = [own.prepared(conn, b) for b in bound]  # prepared before: the pipeline holds executions only
+    pgconn.enter_pipeline_mode()
+    answered = False
+    try:
+        for name, b in zip(names, bound, strict=True):
+            pgconn.send_query_prepared(name, b.dumped, b.formats)
+        pgconn.pipeline_sync()
+        results = []
+        for _ in bound:
+            results.append(_next_result(pgconn))
+            while _next_result(pgconn) is not None:  # each statement's results end with a null
+                pass
+        synced = _next_result(pgconn)
+        answered = True
+    finally:
+        if pgconn.status == ConnStatus.OK and pgconn.pipeline_status != PipelineStatus.OFF:
+            try:
                 pgconn.exit_pipeline_mode()
+            except psycopg.OperationalError:
+                if answered:  # otherwise it would hide what is being raised already
+                    raise
+    if synced is None or synced.status != ExecStatus.PIPELINE_SYNC or None in results:
+        raise psycopg.OperationalError(pgconn.get_error_message() or "connection lost in a pipeline")
     for result in results:
-        if result is None or synced is None or synced.status != ExecStatus.PIPELINE_SYNC:
-            raise psycopg.OperationalError(pgconn.get_error_message() or "connection lost in a pipeline")
-        if result.status == ExecStatus.PIPELINE_ABORTED:
-            continue  # rolled back with the statement refused before it, whose error is raised
-        try:
+        if result is not None and result.status != ExecStatus.PIPELINE_ABORTED:  # aborted: by the refusal before it
             _answer(conn, result, ExecStatus.TUPLES_OK)
-        except psycopg.errors.InvalidSqlStatementName:
-            own.names.clear()  # dropped behind our back, as count() finds: prepared again next time
-            raise
-    return [_number(r) for r in results]  # type: ignore[arg-type]  # none is None: checked above
+    return cast(list[PGresult], results)
+
+
+def _next_result(pgconn: PGconn) -> PGresult | None:
+    """libpq's next result, waited for in select(), which lets the process's other threads run.
+
+    psycopg's get_result() holds the interpreter's lock while it blocks: the whole
+    process would stop for each commit (the pulse thread included).
+    """
+    while pgconn.is_busy():
+        select.select([pgconn.socket], [], [])
+        pgconn.consume_input()
+    return pgconn.get_result()
 
 
 def _number(result: PGresult) -> int:

@@ -6,7 +6,6 @@ Dialects are small subclasses chosen from the URL by :func:`open_store`.
 from __future__ import annotations
 
 import builtins
-import logging
 import os
 import time
 import weakref
@@ -81,8 +80,6 @@ from shared.storage.statements import (
     UPDATE_ATTEMPT,
 )
 from shared.task import Task
-
-log = logging.getLogger(__name__)
 
 
 class SqlStore(TaskStore):
@@ -474,33 +471,18 @@ class PostgresStore(SqlStore):
     def save_many(self, saves: Sequence[Save]) -> builtins.list[bool]:
         """All in one round trip and one commit (:func:`count_together`).
 
-        In the order of the tasks' ids: two consumers' batches that share a task
-        then wait for each other's commit instead of deadlocking. Should one
-        statement be refused, which rolls back the others, each is saved alone;
-        the one refused again is not written (False): :meth:`save` of it alone
-        raises the refusal.
+        In the order of the tasks' ids: two consumers' groups that share a task
+        then wait for each other's commit instead of deadlocking. A statement
+        refused rolls back the others, and its error is raised.
         """
         order = sorted(range(len(saves)), key=lambda i: saves[i].task.task_id)
         runs = [self._save_run(saves[i].task, saves[i].now, saves[i].attempt, saves[i].next_attempt) for i in order]
-        try:
-            with autocommit_cursor(self.connections) as cursor:
-                counts = count_together(cursor, runs)
-        except psycopg.Error:
-            if len(saves) == 1:
-                raise
-            log.warning("a group of %d transitions was refused: saving each alone", len(saves), exc_info=True)
-            return [self._save_alone(s) for s in saves]
+        with autocommit_cursor(self.connections) as cursor:
+            counts = count_together(cursor, runs)
         written = [False] * len(saves)
         for i, count in zip(order, counts, strict=True):
             written[i] = count == 1
         return written
-
-    def _save_alone(self, save: Save) -> bool:
-        try:
-            return self.save(save.task, save.now, save.attempt, next_attempt=save.next_attempt)
-        except psycopg.Error:
-            log.exception("a transition was refused", extra={"task_id": save.task.task_id})
-            return False
 
     def _save_run(
         self, task: Task, now: float, attempt: AttemptRecord | None, next_attempt: AttemptRecord | None

@@ -270,11 +270,13 @@ def test_a_process_holding_several_deliveries_notes_each_and_its_death_reports_e
     first = StepMessage("t1", "noop", 1, 0, StepType.NORMAL, 1, "alpha", "step", 20.0, 0)
     second = StepMessage("t2", "noop", 1, 0, StepType.NORMAL, 1, "alpha", "step", 20.0, 0)
     third = StepMessage("t3", "noop", 2, 1, StepType.NORMAL, 1, "beta", "step", 20.0, 0)
-    running.hold("delivery-1", first, [second, third])
+    before = time.time()
+    running.hold("delivery-1", first, [second, third], 30.0)
     note = running.note_of(_pid())
     assert note["message"]["task_id"] == "t1" and note["running"] is None
     assert [o["task_id"] for o in note["others"]] == ["t2", "t3"]
-    assert note["deadline"] is None  # no delivery's deadline: only a running handler's
+    # Between handlers, the longest hard limit of the deliveries held, from when they last moved on.
+    assert before + 30.0 <= note["deadline"] <= time.time() + 30.0 and note["limit"] == 30.0
 
     class Ctx:
         task_id = "t2"
@@ -282,7 +284,11 @@ def test_a_process_holding_several_deliveries_notes_each_and_its_death_reports_e
     seen: dict[str, Any] = {}
     running.call(lambda ctx: seen.update(running.note_of(_pid())), Ctx(), 2.0)  # type: ignore[arg-type]
     assert seen["running"] == "t2" and seen["limit"] == 2.0 + running.grace
-    assert running.note_of(_pid())["running"] is None
+    after = running.note_of(_pid())
+    assert after["running"] is None and after["limit"] == 30.0 and after["deadline"] >= note["deadline"]
+    # A handler whose own limit lies past the deliveries': its own stands while it runs.
+    running.call(lambda ctx: seen.update(running.note_of(_pid())), Ctx(), 600.0)  # type: ignore[arg-type]
+    assert seen["limit"] == 600.0 + running.grace
 
     lost: list[tuple[str, str, bool]] = []
 

@@ -40,14 +40,21 @@ class CountingStore(InMemoryStore):
     def __init__(self) -> None:
         super().__init__()
         self.groups: list[int] = []
-        self.unavailable = 0  # the next this many save_many calls raise StorageUnavailable
+        self.unavailable = 0  # the next this many groups find the database down, and each of theirs alone
+        self._down = False
 
     def save_many(self, saves: Sequence[Save]) -> list[bool]:
-        if self.unavailable:
+        self._down = self.unavailable > 0
+        if self._down:
             self.unavailable -= 1
             raise StorageUnavailable("database down (test)")
         self.groups.append(len(saves))
         return super().save_many(saves)
+
+    def save(self, task: Any, now: float, *args: Any, **kwargs: Any) -> bool:
+        if self._down:
+            raise StorageUnavailable("database down (test)")
+        return super().save(task, now, *args, **kwargs)
 
 
 def harness(modules: dict[str, Module] | None = None, **overrides: Any) -> Harness:
@@ -281,3 +288,72 @@ def test_a_cancelled_task_s_queued_step_does_not_run_when_held_with_others(holdi
     run_grouped(h, holding)
     assert h.service.get(cancelled).status is TaskStatus.CANCELLED
     assert h.service.get(other).status is TaskStatus.SUCCESS
+
+
+def test_a_group_the_store_refuses_goes_on_change_by_change_and_only_the_bad_one_fails() -> None:
+    h = harness()
+    good, bad, other = submit_all(h, [("noop", {})] * 3)
+    store = h.store
+    assert isinstance(store, CountingStore)
+    original_many, original_one = store.save_many, store.save
+
+    def save_many(saves: Sequence[Save]) -> list[bool]:
+        if any(s.task.task_id == bad for s in saves):
+            raise TypeError("a value the database cannot take (test)")
+        return original_many(saves)
+
+    def save(task: Any, now: float, *args: Any, **kwargs: Any) -> bool:
+        if task.task_id == bad:
+            raise TypeError("a value the database cannot take (test)")
+        return original_one(task, now, *args, **kwargs)
+
+    store.save_many = save_many  # type: ignore[method-assign]
+    store.save = save  # type: ignore[method-assign]
+    ended: list[tuple[Flight, BaseException | None]] = []
+    group = GroupCommit(h.consumer, lambda flight, exc: ended.append((flight, exc)))
+    while h.publisher.messages:
+        message = h.publisher.messages.popleft()
+        group.start(message, message, continue_until=h.clock() + FAR)
+    while len(group):
+        group.work()
+    assert h.service.get(good).status is TaskStatus.SUCCESS and h.service.get(other).status is TaskStatus.SUCCESS
+    failures = [(flight.message.task_id, type(exc)) for flight, exc in ended if exc is not None]
+    assert failures == [(bad, TypeError)]  # its delivery ends with the error, as a lone consumer's would
+
+
+def test_outcomes_committed_behind_a_long_handler_have_their_next_steps_published() -> None:
+    """Run here, a next step would wait for the long handler with its start stored and no pulse."""
+    h = harness({"alpha": Module("alpha"), "beta": Module("beta")})
+    release = threading.Event()
+
+    @h.consumer.modules["alpha"].command("step")
+    def step(ctx: StepContext) -> None:
+        if ctx.parameters.get("long"):
+            release.wait(5.0)
+
+    @h.consumer.modules["beta"].command("step")
+    def other(ctx: StepContext) -> None:
+        return None
+
+    quick, slow = submit_all(h, [("short", {}), ("short", {"long": True})])
+    store = h.store
+    assert isinstance(store, CountingStore)
+    original = store.save_many
+
+    def save_many(saves: Sequence[Save]) -> list[bool]:
+        written = original(saves)
+        if any(s.task.task_id == quick and s.attempt is not None and s.attempt.outcome for s in saves):
+            release.set()
+        return written
+
+    store.save_many = save_many  # type: ignore[method-assign]
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    for _ in range(2):
+        message = h.publisher.messages.popleft()
+        group.start(message, message, continue_until=h.clock() + FAR)
+    while len(group):
+        group.work()
+    assert release.is_set()
+    published = [(m.task_id, m.cursor) for m in h.publisher.messages]
+    assert published == [(quick, 1)]  # not run on here; the slow flow's step 1 ran on after its handler
+    assert h.service.get(slow).status is TaskStatus.SUCCESS
