@@ -267,11 +267,10 @@ class StepConsumer:
 
     def store_now(self, store: Store) -> Decision:
         """Store one transition at once; an outcome waits out a database outage within bounds."""
-        c = store.change
         if not store.patient:
-            return self.service.apply(c.task_id, c.event, c.known, c.worker, c.keep)
+            return self.service.apply(*store.change)
         return patiently(
-            lambda: self.service.apply(c.task_id, c.event, c.known, c.worker, c.keep),
+            lambda: self.service.apply(*store.change),
             self.settings.outcome_patience,
             "storing the outcome",
             self.clock,

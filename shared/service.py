@@ -309,7 +309,7 @@ class TaskService:
         """
         now = self.clock()
         answers: list[Decision | Exception | None] = [None] * len(changes)
-        group: list[tuple[int, _Step, Decision, Save]] = []
+        group: list[tuple[int, _Step, Task, Decision, Save]] = []
         for i, change in enumerate(changes):
             if change.known is None:
                 continue
@@ -317,7 +317,7 @@ class TaskService:
             decision = step.decided(change.known)
             save = step.save(change.known, decision)
             if save is not None:
-                group.append((i, step, decision, save))
+                group.append((i, step, change.known, decision, save))
         written = [False] * len(group)
         if group:
             try:
@@ -326,10 +326,10 @@ class TaskService:
                 pass  # each alone finds it unavailable too, and answers so
             except Exception:
                 log.warning("a group of %d transitions was refused: each goes on alone", len(group), exc_info=True)
-        done = [(i, step, decision) for (i, step, decision, _), ok in zip(group, written, strict=True) if ok]
-        self._after([(step.change.known, decision) for _, step, decision in done])  # type: ignore[misc]
-        for i, step, decision in done:
-            answers[i] = step.stored(step.change.known, decision)  # type: ignore[arg-type]
+        done = [(i, step, known, decision) for (i, step, known, decision, _), ok in zip(group, written, strict=True) if ok]
+        self._after([(known, decision) for _, _, known, decision in done])
+        for i, step, known, decision in done:
+            answers[i] = step.stored(known, decision)
         for i, change in enumerate(changes):
             if answers[i] is None:
                 try:

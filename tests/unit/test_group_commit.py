@@ -201,17 +201,21 @@ def test_an_outcome_refused_past_the_patience_is_left_to_the_expiry_sweep() -> N
     assert [(a.cursor, a.outcome) for a in attempts] == [(0, None)]  # still running: the sweep expires it
 
 
-def test_an_outcome_does_not_wait_behind_a_long_handler_of_another_delivery() -> None:
-    """The pulse thread commits what waits once another delivery's handler runs past FLUSH_AFTER."""
+def behind_a_long_handler(runs_on: bool) -> tuple[Harness, str, str, list[bool], float]:
+    """Two ``short`` flows held together, driven to their end; the second's first handler runs
+    until the first's outcome is committed, or for 5 s.
+
+    Returns the harness, both task ids, whether the long handler saw that commit, and how long
+    the rounds took. ``runs_on``: a delivery may run the flow's next step itself.
+    """
     h = harness({"alpha": Module("alpha"), "beta": Module("beta")})
-    release = threading.Event()
-    seen_stored: list[bool] = []
+    committed = threading.Event()
+    seen: list[bool] = []
 
     @h.consumer.modules["alpha"].command("step")
     def step(ctx: StepContext) -> None:
         if ctx.parameters.get("long"):
-            # The quick flow's outcome, finished before this handler began, is committed meanwhile.
-            seen_stored.append(release.wait(5.0))
+            seen.append(committed.wait(5.0))
 
     @h.consumer.modules["beta"].command("step")
     def other(ctx: StepContext) -> None:
@@ -225,19 +229,26 @@ def test_an_outcome_does_not_wait_behind_a_long_handler_of_another_delivery() ->
     def save_many(saves: Sequence[Save]) -> list[bool]:
         written = original(saves)
         if any(s.task.task_id == quick and s.attempt is not None and s.attempt.outcome for s in saves):
-            release.set()
+            committed.set()
         return written
 
     store.save_many = save_many  # type: ignore[method-assign]
     group = GroupCommit(h.consumer, lambda flight, exc: None)
     for _ in range(2):
         message = h.publisher.messages.popleft()
-        group.start(message, message)  # no running on: each step is published
+        group.start(message, message, continue_until=h.clock() + FAR if runs_on else None)
     started = time.monotonic()
     while len(group):
         group.work()
+    return h, quick, slow, seen, time.monotonic() - started
+
+
+def test_an_outcome_does_not_wait_behind_a_long_handler_of_another_delivery() -> None:
+    """The pulse thread commits what waits once another delivery's handler runs past FLUSH_AFTER."""
+    _, _, _, seen_stored, took = behind_a_long_handler(runs_on=False)
+    # The quick flow's outcome, finished before the long handler began, was committed meanwhile.
     assert seen_stored == [True]
-    assert time.monotonic() - started < 2.0 + FLUSH_AFTER
+    assert took < 2.0 + FLUSH_AFTER
 
 
 def test_each_delivery_runs_in_its_own_logging_context() -> None:
@@ -323,37 +334,8 @@ def test_a_group_the_store_refuses_goes_on_change_by_change_and_only_the_bad_one
 
 def test_outcomes_committed_behind_a_long_handler_have_their_next_steps_published() -> None:
     """Run here, a next step would wait for the long handler with its start stored and no pulse."""
-    h = harness({"alpha": Module("alpha"), "beta": Module("beta")})
-    release = threading.Event()
-
-    @h.consumer.modules["alpha"].command("step")
-    def step(ctx: StepContext) -> None:
-        if ctx.parameters.get("long"):
-            release.wait(5.0)
-
-    @h.consumer.modules["beta"].command("step")
-    def other(ctx: StepContext) -> None:
-        return None
-
-    quick, slow = submit_all(h, [("short", {}), ("short", {"long": True})])
-    store = h.store
-    assert isinstance(store, CountingStore)
-    original = store.save_many
-
-    def save_many(saves: Sequence[Save]) -> list[bool]:
-        written = original(saves)
-        if any(s.task.task_id == quick and s.attempt is not None and s.attempt.outcome for s in saves):
-            release.set()
-        return written
-
-    store.save_many = save_many  # type: ignore[method-assign]
-    group = GroupCommit(h.consumer, lambda flight, exc: None)
-    for _ in range(2):
-        message = h.publisher.messages.popleft()
-        group.start(message, message, continue_until=h.clock() + FAR)
-    while len(group):
-        group.work()
-    assert release.is_set()
+    h, quick, slow, seen_stored, _ = behind_a_long_handler(runs_on=True)
+    assert seen_stored == [True]
     published = [(m.task_id, m.cursor) for m in h.publisher.messages]
     assert published == [(quick, 1)]  # not run on here; the slow flow's step 1 ran on after its handler
     assert h.service.get(slow).status is TaskStatus.SUCCESS
