@@ -17,7 +17,11 @@ waits only while the handlers of the deliveries resumed before its round's
 commit run; should one of them run past FLUSH_AFTER, the process's pulse thread
 (:data:`shared.consumer.PULSES`) commits the outcomes waiting, so no finished
 attempt waits for it, and their next steps are published for other consumers.
-The deliveries held still wait for it to end: a long step holds them back.
+The deliveries held still wait for it to end: a long step holds them back. One
+whose attempt's start is stored meanwhile is running as far as the task shows,
+so the pulse thread sends its heartbeats while it waits its turn, as it would
+while its handler runs; otherwise the sweep would take it for lost and run it
+again elsewhere.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.consumer import PULSES, StepConsumer, Store
+from shared.consumer import PULSES, Pulse, StepConsumer, Store
 from shared.retry import reconnect_delay
-from shared.saga import Decision
+from shared.saga import Decision, Started
+from shared.service import run_on
+from shared.states import Phase
 from shared.storage import StorageUnavailable
 from shared.task import StepMessage
 
@@ -120,7 +126,11 @@ class GroupCommit:
         """
         with self._lock:
             stored, self._stored = self._stored, deque()
-        for waiting, answer in stored:
+        # Each waits for the handlers of those resumed before it: one whose start is stored beats meanwhile.
+        pulses = [self._pulse(waiting, answer) if i else None for i, (waiting, answer) in enumerate(stored)]
+        for (waiting, answer), pulse in zip(stored, pulses, strict=True):
+            if pulse is not None:
+                pulse.stop()  # its attempt's own pulse beats from now on
             self._resume(waiting.flight, answer)
         with self._lock:
             group, self._waiting = self._waiting, []
@@ -176,6 +186,18 @@ class GroupCommit:
         self._unstored(unavailable, exc)
         return False
 
+    def _pulse(self, waiting: _Waiting, answer: Decision | Exception) -> Pulse | None:
+        """Heartbeats for the attempt ``answer`` started for ``waiting`` to run, if it started one."""
+        following = _running(waiting, answer)
+        if following is None:
+            return None
+        # Made in the delivery's logging context, which the pulse keeps.
+        pulse = waiting.flight.context.run(
+            Pulse, self.consumer.service, following, None, self.consumer.settings.heartbeat_interval
+        )
+        pulse.start()
+        return pulse
+
     def _unstored(self, group: list[_Waiting], exc: StorageUnavailable) -> None:
         """A start fails at once (nothing ran); an outcome is tried again while within its patience."""
         now = self.consumer.clock()
@@ -220,6 +242,16 @@ class GroupCommit:
     def _note(self) -> None:
         if self.noted is not None:
             self.noted(list(self._flights))
+
+
+def _running(waiting: _Waiting, answer: Decision | Exception) -> StepMessage | None:
+    """The step whose start ``answer`` stored for ``waiting``'s delivery to run, if it stored one."""
+    if not isinstance(answer, Decision) or answer.ignored:
+        return None
+    if isinstance(waiting.store.change.event, Started):
+        active = answer.task.active
+        return waiting.flight.message if active is not None and active.phase is Phase.RUNNING else None
+    return run_on(answer)  # an outcome that started the flow's next step here
 
 
 def _send(steps: Generator[Store, Decision, None], answer: Decision | Exception | None) -> Store:

@@ -8,6 +8,8 @@ their transitions committed together, killed while it holds them. Real processes
   other deliveries held: the broker delivers what was not acknowledged again, the
   attempts whose start was stored expire when their heartbeats stop, and every flow ends
   as it would have.
+- A held delivery whose start is stored, waiting many heartbeat intervals behind a long
+  handler: its heartbeats keep it alive, and it runs once.
 """
 
 from __future__ import annotations
@@ -31,14 +33,20 @@ from tests.e2e.test_up_supervision import children_of
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
 WORKER = "worker-held"
-# Heartbeats at the default interval: a held delivery waiting for its turn sends none
-# (README, worker_prefetch), so its attempt would expire after three intervals.
 ENV = {"ASYNCFLOW_WORKER_PREFETCH": "4", "ASYNCFLOW_REQUEUE_AFTER": "2", "ASYNCFLOW_EXPIRE_GRACE": "2"}
 
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with open_stack("postgres-rabbitmq", tmp_path_factory.mktemp("held"), ENV, []) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def beating(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Heartbeats every 0.5 s: an attempt that sends none for 1.5 s is taken for lost."""
+    env = ENV | {"ASYNCFLOW_HEARTBEAT_INTERVAL": "0.5"}
+    with open_stack("postgres-rabbitmq", tmp_path_factory.mktemp("beating"), env, []) as stack:
         yield stack
 
 
@@ -118,3 +126,24 @@ def test_a_worker_killed_between_a_handlers_end_and_the_commit_loses_no_flow_it_
     attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in docs[1]["attempts"]]
     # Its handler did the work; the outcome was never committed: the attempt expired and ran again.
     assert attempts == [(0, 1, "succeeded"), (1, 1, "expired"), (1, 2, "succeeded")], attempts
+
+
+def test_a_held_delivery_waiting_behind_a_long_handler_is_kept_alive_by_its_heartbeats(
+    beating: Stack, tmp_path: Path
+) -> None:
+    gate = tmp_path / "go"
+    # Step 0 of each works until the gate exists: the first runs, the second waits its turn.
+    task_ids = submit_together(beating, "long", [{"wait_for_file": {"0": str(gate)}}] * 2)
+    start_worker(beating)
+    try:
+        wait_for(lambda: running_attempts(beating, task_ids) == 2, 30, "the two starts, stored together")
+        time.sleep(5.0)  # more than three heartbeat intervals, many times over
+        assert running_attempts(beating, task_ids) == 2, [beating.get(t)["attempts"] for t in task_ids]
+        gate.touch()
+        docs = [beating.wait_stopped(t, timeout=60) for t in task_ids]
+    finally:
+        stop_worker(beating)
+
+    for doc in docs:
+        assert doc["task_status"] == 0, doc
+        assert [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]] == [(0, 1, "succeeded")], doc

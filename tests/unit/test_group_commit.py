@@ -22,7 +22,7 @@ from shared.flows import load_flows
 from shared.group_commit import FLUSH_AFTER, Flight, GroupCommit
 from shared.logs import AttemptFields, attempt_context, current_attempt
 from shared.module import Module, StepContext
-from shared.saga import Cancel
+from shared.saga import Cancel, Heartbeat
 from shared.states import TaskStatus
 from shared.storage import InMemoryStore, StorageUnavailable
 from shared.storage.base import Save
@@ -339,3 +339,52 @@ def test_outcomes_committed_behind_a_long_handler_have_their_next_steps_publishe
     published = [(m.task_id, m.cursor) for m in h.publisher.messages]
     assert published == [(quick, 1)]  # not run on here; the slow flow's step 1 ran on after its handler
     assert h.service.get(slow).status is TaskStatus.SUCCESS
+
+
+@pytest.mark.parametrize("long_step", [0, 1])
+def test_a_held_delivery_whose_start_is_stored_sends_heartbeats_while_it_waits_its_turn(long_step: int) -> None:
+    """Its task shows it running: without heartbeats the sweep would take it for lost and run it again.
+
+    ``long_step`` 0: both starts were stored in one commit, then the first delivery's handler
+    runs long. 1: both outcomes of step 0 started step 1 here in one commit, then the
+    first delivery's step 1 runs long.
+    """
+    h = harness({"alpha": Module("alpha"), "beta": Module("beta")}, heartbeat_interval=0.05)
+    beats: dict[str, list[int]] = {}
+    beaten = threading.Event()
+    ran: list[str] = []
+
+    def handler(step: int) -> Any:
+        def run(ctx: StepContext) -> None:
+            ran.append(ctx.task_id)
+            if ctx.parameters.get("long") and step == long_step:
+                beaten.wait(5.0)
+
+        return run
+
+    h.consumer.modules["alpha"].command("step")(handler(0))
+    h.consumer.modules["beta"].command("step")(handler(1))
+    slow, waiting = submit_all(h, [("short", {"long": True}), ("short", {})])
+    apply = h.service.apply
+
+    def counting(task_id: str, event: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(event, Heartbeat) and task_id == waiting:
+            beats.setdefault(task_id, []).append(event.seq)
+            if len(beats[task_id]) >= 3:
+                beaten.set()
+        return apply(task_id, event, *args, **kwargs)
+
+    h.service.apply = counting  # type: ignore[method-assign]
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    for _ in range(2):
+        message = h.publisher.messages.popleft()
+        group.start(message, message, continue_until=h.clock() + FAR)
+    while len(group):
+        group.work()
+
+    assert beaten.is_set(), "no heartbeats for the delivery waiting behind the long handler"
+    # Beaten for the attempt it was to run, before its handler ran.
+    expected_seq = 1 if long_step == 0 else 2
+    assert set(beats[waiting]) == {expected_seq}
+    assert ran.index(waiting, long_step * 2) > ran.index(slow, long_step * 2)
+    assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2
