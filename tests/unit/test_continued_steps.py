@@ -199,6 +199,20 @@ def test_each_attempt_of_a_delivery_is_interrupted_at_its_own_timeout() -> None:
     time.sleep(0.3)  # the timers of finished attempts were disarmed: nothing goes off
 
 
+def test_an_attempt_after_a_handler_that_took_the_alarm_signal_for_itself_is_still_interrupted() -> None:
+    """The process's alarm handler is installed once; one a handler left in its place is replaced."""
+    running = RunningSteps(grace=5.0)
+    previous = signal.getsignal(signal.SIGALRM)
+    try:
+        running.call(lambda _: signal.signal(signal.SIGALRM, signal.SIG_IGN) and None, CTX, 5.0)
+        began = time.monotonic()
+        with pytest.raises(AttemptTimedOut):
+            running.call(lambda _: threading.Event().wait(5) and None, CTX, 0.2)
+        assert time.monotonic() - began < 1.5
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
 def swallow(_: StepContext) -> None:
     while True:
         try:
