@@ -15,8 +15,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from oss_api import docs, errors
 from oss_api.auth import (
     ANY_TASK_ID,
+    KEY_SECURITY,
     Caller,
     CallerDep,
+    RequestCallerDep,
     caller,
     list_user,
     load_keys,
@@ -189,10 +191,11 @@ def _task_routes(runtime: Runtime) -> APIRouter:
                 e422="Invalid body, or parameters the flow's declaration refuses (detail names each)",
             ),
         },
+        openapi_extra=KEY_SECURITY,
     )
     async def submit(
         body: SubmitRequest,
-        who: CallerDep,
+        who: RequestCallerDep,
         idempotency_key: Annotated[str | None, Header(max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")] = None,
     ) -> Response:
         user_id = submit_user(who, body.user_id)

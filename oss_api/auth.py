@@ -243,6 +243,11 @@ def identify(request: Request, key: str | None) -> Caller:
 CallerDep = Annotated[Caller, Depends(caller)]
 
 
+# What a route that finds its caller with request_caller declares in the OpenAPI
+# document (``openapi_extra``): the keys CallerDep's two schemes declare.
+KEY_SECURITY: dict[str, Any] = {"security": [{_bearer.scheme_name: []}, {_api_key_header.scheme_name: []}]}
+
+
 def request_caller(request: Request) -> Caller:
     """``caller`` without FastAPI's dependency machinery, for hot routes (the v1 API).
 
@@ -251,6 +256,17 @@ def request_caller(request: Request) -> Caller:
     scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
     key = credentials if scheme.lower() == "bearer" and credentials else request.headers.get("x-api-key")
     return identify(request, key)
+
+
+async def _request_caller(request: Request) -> Caller:  # async: solved on the event loop, not in a thread
+    return request_caller(request)
+
+
+# CallerDep as one dependency instead of three (itself and its two schemes), for
+# the hottest route, POST /api/tasks: 9 % fewer instructions a submit
+# (benchmarks/README.md). It is still solved before the body is read, so an
+# unknown key is a 401 whatever the body; the route declares KEY_SECURITY.
+RequestCallerDep = Annotated[Caller, Depends(_request_caller)]
 
 
 def submit_user(who: Caller, requested: str | None) -> str | None:

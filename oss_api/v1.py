@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from oss_api.auth import Caller, Forbidden, request_caller
+from oss_api.auth import KEY_SECURITY, Caller, Forbidden, request_caller
 from oss_api.coalesce import Coalescer
 from oss_api.errors import answers
 from oss_api.schemas import MAX_BATCH
@@ -210,7 +210,7 @@ def _documented(answer: type[Answer], body: type[BaseModel] | None = None, open_
         schema = _inlined(body.model_json_schema())
         extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
     if not open_:
-        extra["security"] = [{"HTTPBearer": []}, {"APIKeyHeader": []}]
+        extra |= KEY_SECURITY
     responses: dict[int | str, dict[str, Any]] = {200: {"model": answer, "description": "The v1 answer"}}
     if not open_:
         responses |= answers(401, e401="Missing or unknown API key (only when API keys are configured)")

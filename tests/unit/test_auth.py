@@ -118,7 +118,7 @@ def test_every_api_route_needs_a_key(api: Api, method: str, path: str) -> None:
     assert not api.publisher.messages
 
 
-@pytest.mark.parametrize(
+WRONG_CREDENTIALS = pytest.mark.parametrize(
     "headers, error",
     [
         ({"Authorization": f"Basic {ALICE}"}, "the Authorization header must be 'Bearer <key>'"),
@@ -130,10 +130,22 @@ def test_every_api_route_needs_a_key(api: Api, method: str, path: str) -> None:
         ({"X-API-Key": ""}, MISSING),
     ],
 )
+
+
+@WRONG_CREDENTIALS
 def test_malformed_or_wrong_credentials_are_401(api: Api, headers: dict[str, str], error: str) -> None:
     r = api.client.get("/api/tasks", headers=headers)
     assert r.status_code == 401
     assert error_of(r) == error
+
+
+@WRONG_CREDENTIALS
+def test_a_submit_s_credentials_are_checked_before_its_body(api: Api, headers: dict[str, str], error: str) -> None:
+    """POST /api/tasks finds its caller without the schemes' dependencies (oss_api.auth), as before the body."""
+    r = api.client.post("/api/tasks", json={"flow": 5, "priority": "high"}, headers=headers)
+    assert r.status_code == 401, r.text
+    assert error_of(r) == error
+    assert r.headers["WWW-Authenticate"] == "Bearer"
 
 
 @pytest.mark.parametrize(
