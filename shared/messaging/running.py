@@ -48,8 +48,10 @@ class Alarm:
     """The process's SIGALRM handler: it interrupts the attempt whose time limit is armed.
 
     Installed at the first attempt, and again only if something replaced it
-    since (a handler with a timer of its own that did not put ours back): a
-    handler installed and restored for every attempt cost 20 us of a no-op step.
+    since (a handler with a timer of its own that did not put ours back). One
+    installed and put back around every attempt made :meth:`RunningSteps.call`
+    of a no-op handler take 17 us instead of 11 (``signal.signal`` converts each
+    handler to and from its enum).
     """
 
     def __init__(self) -> None:
