@@ -254,6 +254,7 @@ def request_caller(request: Request) -> Caller:
     Reads the same headers: ``Authorization: Bearer <key>``, else ``X-API-Key``.
     """
     scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    credentials = credentials.strip()  # as HTTPBearer reads it: a blank one falls back to X-API-Key
     key = credentials if scheme.lower() == "bearer" and credentials else request.headers.get("x-api-key")
     return identify(request, key)
 
@@ -264,8 +265,9 @@ async def _request_caller(request: Request) -> Caller:  # async: solved on the e
 
 # CallerDep as one dependency instead of three (itself and its two schemes), for
 # the hottest route, POST /api/tasks: 1.95 M instructions a submit become 1.79 M
-# (benchmarks/submit_path.py). It is still solved before the body is read, so an
-# unknown key is a 401 whatever the body; the route declares KEY_SECURITY.
+# (benchmarks/submit_path.py). Like CallerDep, it is solved before the body's
+# fields are checked: a wrong key is a 401 whatever they hold (a body that is not
+# JSON at all is a 400 first, on every route). The route declares KEY_SECURITY.
 RequestCallerDep = Annotated[Caller, Depends(_request_caller)]
 
 

@@ -18,10 +18,11 @@ commit run; should one of them run past FLUSH_AFTER, the process's pulse thread
 (:data:`shared.consumer.PULSES`) commits the outcomes waiting, so no finished
 attempt waits for it, and their next steps are published for other consumers.
 The deliveries held still wait for it to end: a long step holds them back. One
-whose attempt's start is stored meanwhile is running as far as the task shows,
-so the pulse thread sends its heartbeats while it waits its turn, as it would
-while its handler runs; otherwise the sweep would take it for lost and run it
-again elsewhere.
+whose attempt's start a commit stored is running as far as the task shows, so
+from that commit until it is resumed the pulse thread sends its heartbeats, as
+it would while its handler runs: otherwise, held past three heartbeat intervals
+(behind a long handler, a handler run by a delivery just taken, or a wait for
+the database), it would be taken for lost and run again elsewhere.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class _Waiting:
     flight: Flight
     store: Store
     failing_since: float | None = None  # when storing it first failed: an outcome waits within its patience
+    pulse: Pulse | None = None  # stored, its attempt running: beats until the delivery is resumed
 
 
 class GroupCommit:
@@ -126,11 +128,9 @@ class GroupCommit:
         """
         with self._lock:
             stored, self._stored = self._stored, deque()
-        # Each waits for the handlers of those resumed before it: one whose start is stored beats meanwhile.
-        pulses = [self._pulse(waiting, answer) if i else None for i, (waiting, answer) in enumerate(stored)]
-        for (waiting, answer), pulse in zip(stored, pulses, strict=True):
-            if pulse is not None:
-                pulse.stop()  # its attempt's own pulse beats from now on
+        for waiting, answer in stored:
+            if waiting.pulse is not None:
+                waiting.pulse.stop()  # its attempt's own pulse beats from now on
             self._resume(waiting.flight, answer)
         with self._lock:
             group, self._waiting = self._waiting, []
@@ -161,7 +161,7 @@ class GroupCommit:
                 if isinstance(answer, StorageUnavailable):
                     self._waiting.append(waiting)
                 else:
-                    self._stored.append((waiting, answer))
+                    self._answered(waiting, answer)
 
     def _commit(self, group: list[_Waiting]) -> bool:
         """Store ``group`` in one commit; False when the database was unavailable to some of it."""
@@ -178,7 +178,7 @@ class GroupCommit:
                     unavailable.append(waiting)
                     exc = answer
                 else:
-                    self._stored.append((waiting, answer))
+                    self._answered(waiting, answer)
         if exc is None:
             self._failures = 0
             return True
@@ -186,17 +186,18 @@ class GroupCommit:
         self._unstored(unavailable, exc)
         return False
 
-    def _pulse(self, waiting: _Waiting, answer: Decision | Exception) -> Pulse | None:
-        """Heartbeats for the attempt ``answer`` started for ``waiting`` to run, if it started one."""
+    def _answered(self, waiting: _Waiting, answer: Decision | Exception) -> None:
+        """``waiting``'s transition was stored (or refused): it goes on at the next round. Under the lock.
+
+        If ``answer`` started an attempt for it to run, that attempt's heartbeats
+        start now: what runs before its turn may take long.
+        """
         following = _running(waiting, answer)
-        if following is None:
-            return None
-        # Made in the delivery's logging context, which the pulse keeps.
-        pulse = waiting.flight.context.run(
-            Pulse, self.consumer.service, following, None, self.consumer.settings.heartbeat_interval
-        )
-        pulse.start()
-        return pulse
+        if following is not None:  # made in the delivery's logging context, which the pulse keeps
+            interval = self.consumer.settings.heartbeat_interval
+            waiting.pulse = waiting.flight.context.run(Pulse, self.consumer.service, following, None, interval)
+            waiting.pulse.start()
+        self._stored.append((waiting, answer))
 
     def _unstored(self, group: list[_Waiting], exc: StorageUnavailable) -> None:
         """A start fails at once (nothing ran); an outcome is tried again while within its patience."""

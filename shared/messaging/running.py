@@ -65,8 +65,8 @@ class Alarm:
         signal.setitimer(signal.ITIMER_REAL, seconds)
 
     def disarm(self) -> None:
+        self._due = None  # first: a signal already on its way then finds nothing to interrupt
         signal.setitimer(signal.ITIMER_REAL, 0)
-        self._due = None
 
     def ring(self) -> None:
         if self._due is not None:  # else a timer of the attempt before, already over

@@ -148,13 +148,29 @@ def test_a_submit_s_credentials_are_checked_before_its_body(api: Api, headers: d
     assert r.headers["WWW-Authenticate"] == "Bearer"
 
 
-@pytest.mark.parametrize(
-    "headers", [bearer(ALICE), {"Authorization": f"bearer  {ALICE} "}, {"X-API-Key": ALICE}]
+KNOWN_KEY = pytest.mark.parametrize(
+    "headers",
+    [
+        bearer(ALICE),
+        {"Authorization": f"bearer  {ALICE} "},
+        {"X-API-Key": ALICE},
+        {"Authorization": "Bearer \t ", "X-API-Key": ALICE},  # a blank bearer token: the other header counts
+    ],
 )
+
+
+@KNOWN_KEY
 def test_a_known_key_in_either_header_is_accepted(api: Api, headers: dict[str, str]) -> None:
     r = api.client.post("/api/tasks", json={"flow": "noop", "task_id": "t1"}, headers=headers)
     assert r.status_code == 201, r.text
     assert r.json()["user_id"] == "alice"
+
+
+@KNOWN_KEY
+def test_a_known_key_reads_the_same_on_every_route(api: Api, headers: dict[str, str]) -> None:
+    """Submits and the v1 routes read the headers themselves (request_caller), the others through CallerDep."""
+    assert api.client.get("/api/tasks", headers=headers).status_code == 200
+    assert api.client.get("/v1/get_task_schedule_cfg_list", headers=headers).json()["code"] == 0
 
 
 def test_health_metrics_and_docs_stay_open(api: Api) -> None:

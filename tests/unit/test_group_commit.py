@@ -341,18 +341,26 @@ def test_outcomes_committed_behind_a_long_handler_have_their_next_steps_publishe
     assert h.service.get(slow).status is TaskStatus.SUCCESS
 
 
-@pytest.mark.parametrize("long_step", [0, 1])
-def test_a_held_delivery_whose_start_is_stored_sends_heartbeats_while_it_waits_its_turn(long_step: int) -> None:
-    """Its task shows it running: without heartbeats the sweep would take it for lost and run it again.
-
-    ``long_step`` 0: both starts were stored in one commit, then the first delivery's handler
-    runs long. 1: both outcomes of step 0 started step 1 here in one commit, then the
-    first delivery's step 1 runs long.
-    """
-    h = harness({"alpha": Module("alpha"), "beta": Module("beta")}, heartbeat_interval=0.05)
-    beats: dict[str, list[int]] = {}
+def heartbeats_counted(h: Harness, task_ids: list[str], seq: int, enough: int = 3) -> threading.Event:
+    """Set once each of ``task_ids`` has had ``enough`` heartbeats stored for its attempt ``seq``."""
+    beats = dict.fromkeys(task_ids, 0)
     beaten = threading.Event()
-    ran: list[str] = []
+    apply = h.service.apply
+
+    def counting(task_id: str, event: Any, *args: Any, **kwargs: Any) -> Any:
+        decision = apply(task_id, event, *args, **kwargs)
+        if isinstance(event, Heartbeat) and event.seq == seq and task_id in beats and not decision.ignored:
+            beats[task_id] += 1
+            if min(beats.values()) >= enough:
+                beaten.set()
+        return decision
+
+    h.service.apply = counting  # type: ignore[method-assign]
+    return beaten
+
+
+def long_and_quick_steps(h: Harness, long_step: int | None, beaten: threading.Event, ran: list[str]) -> None:
+    """``short``'s two steps; a task with ``long`` in its parameters works at ``long_step`` until ``beaten``."""
 
     def handler(step: int) -> Any:
         def run(ctx: StepContext) -> None:
@@ -364,17 +372,21 @@ def test_a_held_delivery_whose_start_is_stored_sends_heartbeats_while_it_waits_i
 
     h.consumer.modules["alpha"].command("step")(handler(0))
     h.consumer.modules["beta"].command("step")(handler(1))
+
+
+@pytest.mark.parametrize("long_step", [0, 1])
+def test_a_held_delivery_whose_start_is_stored_sends_heartbeats_while_it_waits_its_turn(long_step: int) -> None:
+    """Its task shows it running: without heartbeats the sweep would take it for lost and run it again.
+
+    ``long_step`` 0: both starts were stored in one commit, then the first delivery's handler
+    runs long. 1: both outcomes of step 0 started step 1 here in one commit, then the
+    first delivery's step 1 runs long.
+    """
+    h = harness({"alpha": Module("alpha"), "beta": Module("beta")}, heartbeat_interval=0.05)
+    ran: list[str] = []
     slow, waiting = submit_all(h, [("short", {"long": True}), ("short", {})])
-    apply = h.service.apply
-
-    def counting(task_id: str, event: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(event, Heartbeat) and task_id == waiting:
-            beats.setdefault(task_id, []).append(event.seq)
-            if len(beats[task_id]) >= 3:
-                beaten.set()
-        return apply(task_id, event, *args, **kwargs)
-
-    h.service.apply = counting  # type: ignore[method-assign]
+    beaten = heartbeats_counted(h, [waiting], seq=long_step + 1)  # the waiting one's attempt of that step
+    long_and_quick_steps(h, long_step, beaten, ran)
     group = GroupCommit(h.consumer, lambda flight, exc: None)
     for _ in range(2):
         message = h.publisher.messages.popleft()
@@ -382,9 +394,31 @@ def test_a_held_delivery_whose_start_is_stored_sends_heartbeats_while_it_waits_i
     while len(group):
         group.work()
 
+    # The long handler returned once they came: they were sent while the other waited its turn.
     assert beaten.is_set(), "no heartbeats for the delivery waiting behind the long handler"
-    # Beaten for the attempt it was to run, before its handler ran.
-    expected_seq = 1 if long_step == 0 else 2
-    assert set(beats[waiting]) == {expected_seq}
     assert ran.index(waiting, long_step * 2) > ran.index(slow, long_step * 2)
     assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2
+
+
+def test_held_deliveries_started_here_send_heartbeats_while_a_delivery_just_taken_runs_its_handler() -> None:
+    """With the start recorded with the outcome (record_start_after), taking a delivery runs its handler."""
+    h = harness(
+        {"alpha": Module("alpha"), "beta": Module("beta")}, heartbeat_interval=0.05, record_start_after=1.0
+    )
+    ran: list[str] = []
+    first, second, taken = submit_all(h, [("short", {}), ("short", {}), ("short", {"long": True})])
+    beaten = heartbeats_counted(h, [first, second], seq=2)  # step 1, started here by step 0's outcome
+    long_and_quick_steps(h, 0, beaten, ran)
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    for _ in range(2):
+        message = h.publisher.messages.popleft()
+        group.start(message, message, continue_until=h.clock() + FAR)
+    group.work()  # their outcomes, each starting step 1 here
+    assert [h.service.get(t).active.seq for t in (first, second)] == [2, 2]  # type: ignore[union-attr]
+    message = h.publisher.messages.popleft()
+    group.start(message, message, continue_until=h.clock() + FAR)  # its step 0 runs now, long
+    while len(group):
+        group.work()
+
+    assert beaten.is_set(), "no heartbeats for the deliveries held while another's handler ran"
+    assert [h.service.get(t).status for t in (first, second, taken)] == [TaskStatus.SUCCESS] * 3
