@@ -88,6 +88,16 @@ def run_grouped(h: Harness, holding: int) -> list[tuple[Flight, BaseException | 
     raise RuntimeError("flows did not settle")
 
 
+def take(h: Harness, group: GroupCommit, count: int, runs_on: bool = True) -> None:
+    """The next ``count`` messages published, each taken as a delivery (its own key).
+
+    ``runs_on``: a delivery may run the flow's next steps itself.
+    """
+    for _ in range(count):
+        message = h.publisher.messages.popleft()
+        group.start(message, message, continue_until=h.clock() + FAR if runs_on else None)
+
+
 def stories(h: Harness, task_ids: list[str]) -> list[tuple[Any, ...]]:
     """What each task ended as, and its attempt log, without times and ids."""
     told = []
@@ -234,9 +244,7 @@ def behind_a_long_handler(runs_on: bool) -> tuple[Harness, str, str, list[bool],
 
     store.save_many = save_many  # type: ignore[method-assign]
     group = GroupCommit(h.consumer, lambda flight, exc: None)
-    for _ in range(2):
-        message = h.publisher.messages.popleft()
-        group.start(message, message, continue_until=h.clock() + FAR if runs_on else None)
+    take(h, group, 2, runs_on)
     started = time.monotonic()
     while len(group):
         group.work()
@@ -280,9 +288,7 @@ def test_a_delivery_that_runs_on_tells_who_notes_the_steps_held() -> None:
     submit_all(h, [("noop", {})] * 2)
     noted: list[list[StepMessage]] = []
     group = GroupCommit(h.consumer, lambda flight, exc: None, lambda flights: noted.append([f.message for f in flights]))
-    for _ in range(2):
-        message = h.publisher.messages.popleft()
-        group.start(message, message, continue_until=h.clock() + FAR)
+    take(h, group, 2)
     while len(group):
         group.work()
     cursors = [[m.cursor for m in held] for held in noted]
@@ -359,7 +365,7 @@ def heartbeats_counted(h: Harness, task_ids: list[str], seq: int, enough: int = 
     return beaten
 
 
-def long_and_quick_steps(h: Harness, long_step: int | None, beaten: threading.Event, ran: list[str]) -> None:
+def long_and_quick_steps(h: Harness, long_step: int, beaten: threading.Event, ran: list[str]) -> None:
     """``short``'s two steps; a task with ``long`` in its parameters works at ``long_step`` until ``beaten``."""
 
     def handler(step: int) -> Any:
@@ -388,9 +394,7 @@ def test_a_held_delivery_whose_start_is_stored_sends_heartbeats_while_it_waits_i
     beaten = heartbeats_counted(h, [waiting], seq=long_step + 1)  # the waiting one's attempt of that step
     long_and_quick_steps(h, long_step, beaten, ran)
     group = GroupCommit(h.consumer, lambda flight, exc: None)
-    for _ in range(2):
-        message = h.publisher.messages.popleft()
-        group.start(message, message, continue_until=h.clock() + FAR)
+    take(h, group, 2)
     while len(group):
         group.work()
 
@@ -410,13 +414,10 @@ def test_held_deliveries_started_here_send_heartbeats_while_a_delivery_just_take
     beaten = heartbeats_counted(h, [first, second], seq=2)  # step 1, started here by step 0's outcome
     long_and_quick_steps(h, 0, beaten, ran)
     group = GroupCommit(h.consumer, lambda flight, exc: None)
-    for _ in range(2):
-        message = h.publisher.messages.popleft()
-        group.start(message, message, continue_until=h.clock() + FAR)
+    take(h, group, 2)
     group.work()  # their outcomes, each starting step 1 here
     assert [h.service.get(t).active.seq for t in (first, second)] == [2, 2]  # type: ignore[union-attr]
-    message = h.publisher.messages.popleft()
-    group.start(message, message, continue_until=h.clock() + FAR)  # its step 0 runs now, long
+    take(h, group, 1)  # its step 0 runs now, long
     while len(group):
         group.work()
 
