@@ -66,7 +66,15 @@ DEFAULT_TIMING = Timing()
 
 @dataclass(frozen=True)
 class Submit:
-    """The task was stored; dispatch its first step."""
+    """The task was stored; dispatch its first step.
+
+    ``deferred``: the first step waits in the store, due at once, for the
+    scheduler's sweep to publish it (:class:`Due`). A batch's caller then waits
+    for its tasks to be stored, not for a message each: storing a task costs a
+    fraction of what publishing its message costs the broker and the API.
+    """
+
+    deferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,7 +216,7 @@ class Decision:
 
 def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING) -> Decision:
     if isinstance(event, Submit):
-        return _submit(task, now, timing)
+        return _submit(task, event, now, timing)
     if isinstance(event, Cancel):
         return _cancel(task, now, timing)
     if isinstance(event, Retry):
@@ -282,9 +290,11 @@ def _dispatch(
     now: float,
     timing: Timing,
     delay: float = 0.0,
+    waiting: bool = False,
 ) -> Decision:
+    """The task with its next message outstanding: queued, or waiting ``delay`` (or for the sweep)."""
     seq = task.seq + 1
-    if delay > 0:
+    if delay > 0 or waiting:
         active = Active(seq, cursor, step_type, attempt, Phase.WAITING, due_at=now + delay)
         return Decision(evolve(task, seq=seq, active=active))
     active = Active(seq, cursor, step_type, attempt, Phase.QUEUED, due_at=now + timing.requeue_after)
@@ -334,10 +344,10 @@ def _merge(task: Task, values: Mapping[str, Any]) -> Task:
 # --- step events ---------------------------------------------------------------
 
 
-def _submit(task: Task, now: float, timing: Timing) -> Decision:
+def _submit(task: Task, event: Submit, now: float, timing: Timing) -> Decision:
     if task.status is not TaskStatus.PENDING or task.seq != 0:
         raise InvalidAction(f"task {task.task_id} was already dispatched")
-    return _dispatch(task, 0, StepType.NORMAL, 1, now, timing)
+    return _dispatch(task, 0, StepType.NORMAL, 1, now, timing, waiting=event.deferred)
 
 
 def _publish_again(task: Task, now: float, timing: Timing) -> Decision:

@@ -25,6 +25,7 @@ from shared.saga import (
     DEFAULT_TIMING,
     Cancel,
     Decision,
+    Due,
     Event,
     Expire,
     Failed,
@@ -165,9 +166,11 @@ class TaskService:
         return stored, created
 
     def submit_many(self, batch: Sequence[Submission]) -> builtins.list[tuple[Task, bool]]:
-        """Store every task of ``batch`` at once, then dispatch the first steps of the new ones.
+        """Store every task of ``batch`` at once; the scheduler publishes their first steps.
 
-        All or nothing: a refused submission (unknown flow, invalid parameters, an
+        The first steps are stored waiting, due at once (``Submit(deferred=True)``),
+        and the scheduler's next sweep publishes them: a batch is answered once it
+        is stored, without a message per task on its way. All or nothing: a refused submission (unknown flow, invalid parameters, an
         id given twice, an id taken by another flow or user) stores none of them;
         the error names the submission by its index, ``tasks[i]``.
         """
@@ -181,7 +184,9 @@ class TaskService:
                 )
             first_at[task_id] = i
             try:
-                decisions.append(self.prepare(sub.flow, sub.parameters, sub.priority, sub.user_id, task_id))
+                decisions.append(
+                    self.prepare(sub.flow, sub.parameters, sub.priority, sub.user_id, task_id, deferred=True)
+                )
             except ServiceError as exc:
                 raise at_index(exc, i) from None
         stored = all_stored(self.store.create_many([d.task for d in decisions], self.clock()))
@@ -217,11 +222,13 @@ class TaskService:
         priority: int,
         user_id: str | None,
         task_id: str,
+        deferred: bool = False,
     ) -> Decision:
         """A new task and its first message, not stored: the caller stores it, then calls :meth:`dispatch`.
 
         The parameters are checked against the flow's declaration, its defaults
-        filled in (:meth:`shared.flows.Flow.check_parameters`).
+        filled in (:meth:`shared.flows.Flow.check_parameters`). ``deferred``: the
+        first step is left for the scheduler to publish (:class:`Submit`).
         """
         flows = self.flows  # one version of flows.yaml, though a reload may replace it meanwhile
         flow = flows.get(flow_name)
@@ -231,10 +238,10 @@ class TaskService:
         parameters = flow.check_parameters(parameters)
         now = self.clock()
         task = new_task(task_id, flow, parameters, now, priority, user_id)
-        return decide(task, Submit(), now, self.timing)
+        return decide(task, Submit(deferred), now, self.timing)
 
     def dispatch(self, decisions: Sequence[Decision]) -> None:
-        """Publish the first messages of tasks :meth:`prepare` made, once they are stored.
+        """Publish the first messages of tasks :meth:`prepare` made, once they are stored (none if deferred).
 
         Each carries the task as stored (``StepMessage.known``): its consumer needs
         no read before the step's start. Published together
@@ -290,6 +297,18 @@ class TaskService:
             effects=lambda before, decision: self._after([(before, decision)]),
         )
         return step.stored(before, decision)
+
+    def publish_due(self, due: Sequence[tuple[str, int]]) -> int:
+        """Publish the waiting messages ``due`` (task id, seq), due by now; returns how many were.
+
+        A batch's first steps come due together (:meth:`submit_many`): their
+        tasks are read in one query, their transitions committed together and
+        their messages published together (:meth:`apply_many`).
+        """
+        due = sorted(due)  # rows locked in one order: two schedulers' groups wait, never deadlock
+        known = {task.task_id: task for task in self.store.get_many([task_id for task_id, _ in due])}
+        answers = self.apply_many([Change(task_id, Due(seq), known.get(task_id)) for task_id, seq in due])
+        return sum(isinstance(answer, Decision) and not answer.ignored for answer in answers)
 
     def apply_many(self, changes: Sequence[Change]) -> builtins.list[Decision | Exception]:
         """:meth:`apply` each of ``changes``, their writes committed together.

@@ -7,13 +7,11 @@ import time
 from collections.abc import Callable
 
 from shared.pull.service import PullService
-from shared.saga import Due, Expire, Requeue
+from shared.saga import Expire, Requeue
 from shared.service import TaskNotFound, TaskService
 from shared.states import Phase
 
 log = logging.getLogger(__name__)
-
-_EVENTS: dict[Phase, type[Due | Expire]] = {Phase.WAITING: Due, Phase.RUNNING: Expire}
 
 
 def sweep_tasks(
@@ -38,18 +36,24 @@ def sweep_tasks(
     changed = left = 0
     can_publish = service.publisher.healthy()
     busy: frozenset[str] | None = None
-    for n, (task_id, seq, phase) in enumerate(service.due(now, limit)):
-        if n and until is not None and time.monotonic() >= until:
+    due = service.due(now, limit)
+    # Waiting messages go together: a batch's first steps come due by the thousand.
+    waiting = [(task_id, seq) for task_id, seq, phase in due if phase is Phase.WAITING]
+    if waiting and can_publish:
+        changed += service.publish_due(waiting)
+    others = [entry for entry in due if entry[2] is not Phase.WAITING]
+    for n, (task_id, seq, phase) in enumerate(others):
+        if (n or waiting) and until is not None and time.monotonic() >= until:
             break  # at least one a pass, however slow the query before it
         if phase is not Phase.RUNNING and not can_publish:
             continue  # leave it due; publishing now would only fail again
-        event: Due | Requeue | Expire
+        event: Requeue | Expire
         if phase is Phase.QUEUED:
             if busy is None:
                 busy = _backlogged(backlogged)
             event = Requeue(seq, busy)
         else:
-            event = _EVENTS[phase](seq)
+            event = Expire(seq)
         try:
             decision = service.apply(task_id, event)
         except TaskNotFound:
@@ -59,7 +63,7 @@ def sweep_tasks(
         changed += 1
         if isinstance(event, Requeue) and not decision.messages:
             left += 1
-        elif isinstance(event, Requeue | Expire):
+        else:
             log.warning("sweep: %s", type(event).__name__.lower(), extra={"task_id": task_id, "seq": seq})
     if left:
         log.info("sweep: %d queued message(s) not started in time left in their queue's backlog", left)

@@ -229,6 +229,10 @@ class TaskStore(abc.ABC):
     @abc.abstractmethod
     def get(self, task_id: str) -> Task | None: ...
 
+    def get_many(self, task_ids: Sequence[str]) -> builtins.list[Task]:
+        """The stored tasks among ``task_ids`` (one query where the store can)."""
+        return [task for task in map(self.get, task_ids) if task is not None]
+
     @abc.abstractmethod
     def save(
         self,

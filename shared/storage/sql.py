@@ -160,6 +160,13 @@ class SqlStore(TaskStore):
             row = conn.execute(GET_TASK, {"b_task_id": task_id}).first()
         return task_from_row(row) if row is not None else None
 
+    def get_many(self, task_ids: Sequence[str]) -> builtins.list[Task]:
+        if not task_ids:
+            return []
+        with self.transaction(read_only=True) as conn:
+            rows = conn.execute(select(tasks).where(tasks.c.task_id.in_(task_ids))).all()
+        return [task_from_row(row) for row in rows]
+
     def save(
         self,
         task: Task,

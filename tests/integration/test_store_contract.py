@@ -119,6 +119,12 @@ class TestTaskStoreContract:
     def test_get_unknown_task_is_none(self, store: TaskStore) -> None:
         assert store.get("nope") is None
 
+    def test_get_many_returns_the_stored_tasks_among_the_ids(self, store: TaskStore) -> None:
+        store.create_many([submitted("m1"), submitted("m2"), waiting("m3", NOW + 5)], NOW)
+        found = {task.task_id: task for task in store.get_many(["m3", "nope", "m1"])}
+        assert found == {"m1": store.get("m1"), "m3": store.get("m3")}
+        assert store.get_many([]) == []
+
     def test_create_twice_returns_the_stored_task_and_false(self, store: TaskStore) -> None:
         first, _ = store.create(submitted(parameters={"Cpu": 1}), NOW)
         again, created = store.create(submitted(parameters={"Cpu": 2}, created_at=NOW + 5), NOW + 5)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from shared.flows import parse_flows
 from shared.saga import Timing
 from shared.scheduler import sweep_tasks
-from shared.service import TaskService
+from shared.service import Submission, TaskService
 from shared.states import Phase, StepCode, TaskStatus
 from shared.storage import TaskStore
 from shared.task import StepMessage
@@ -45,6 +46,55 @@ def test_concurrent_schedulers_republish_each_lost_message_once(store: TaskStore
     assert sorted(m.task_id for m in publisher.messages) == sorted(ids)
     assert all(m.seq == 1 for m in publisher.messages)  # the same message again, not a new one
     assert sweep_tasks(schedulers[0], clock()) == 0  # nothing due until requeue_after passes again
+
+
+def test_concurrent_schedulers_publish_each_first_step_of_a_batch_once_and_together(store: TaskStore) -> None:  # noqa: F811
+    class Counting(QueuePublisher):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[int] = []
+
+        def publish_many(self, messages: Sequence[StepMessage]) -> list[tuple[StepMessage, Exception]]:
+            self.calls.append(len(messages))
+            return super().publish_many(messages)
+
+    clock, publisher = ManualClock(), Counting()
+    schedulers = [TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING) for _ in range(3)]
+    stored = schedulers[0].submit_many([Submission("one", {"n": i}) for i in range(60)])
+    assert not publisher.messages and publisher.calls == [0]  # stored, nothing published
+    publisher.calls.clear()
+
+    barrier = threading.Barrier(len(schedulers))
+    changed: list[int] = []
+
+    def sweep(service: TaskService) -> None:
+        barrier.wait(timeout=30)
+        changed.append(sweep_tasks(service, clock(), limit=1000))
+
+    threads = [threading.Thread(target=sweep, args=(s,)) for s in schedulers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+
+    assert sum(changed) == 60
+    assert sorted(m.task_id for m in publisher.messages) == sorted(task.task_id for task, _ in stored)
+    assert {(m.seq, m.cursor) for m in publisher.messages} == {(1, 0)}
+    assert max(publisher.calls) > 1  # a scheduler's group goes to the broker together
+    assert {service.get(t.task_id).active.phase for service in schedulers[:1] for t, _ in stored} == {Phase.QUEUED}
+    assert sweep_tasks(schedulers[0], clock()) == 0
+
+
+def test_a_batch_s_first_steps_are_stored_and_published_in_one_group(store: TaskStore) -> None:  # noqa: F811
+    clock, publisher = ManualClock(), QueuePublisher()
+    service = TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING)
+    stored = service.submit_many([Submission("one", {"n": i}) for i in range(30)])
+    writes: list[int] = []
+    save_many = store.save_many
+    store.save_many = lambda saves: writes.append(len(saves)) or save_many(saves)  # type: ignore[method-assign]
+    assert sweep_tasks(service, clock()) == 30
+    assert writes == [30]
+    assert sorted(m.task_id for m in publisher.messages) == sorted(task.task_id for task, _ in stored)
 
 
 def test_sweep_expires_running_attempts_past_their_deadline(store: TaskStore) -> None:  # noqa: F811

@@ -18,7 +18,8 @@ from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import load_flows
 from shared.runtime import Runtime
-from shared.states import StepType, TaskStatus
+from shared.scheduler.sweeps import sweep_tasks
+from shared.states import Phase, StepType, TaskStatus
 from shared.storage import InMemoryStore, StorageUnavailable, TaskFilter, TaskStore
 from shared.testing import InProcess, ManualClock, QueuePublisher
 
@@ -57,8 +58,13 @@ class Api:
     def published(self) -> list[tuple[str, int, StepType, str, str]]:
         return [(m.task_id, m.cursor, m.type, m.module, m.command) for m in self.publisher.messages]
 
+    def sweep(self) -> int:
+        """The scheduler's sweep at the API's clock: publishes the first steps batches left waiting."""
+        return sweep_tasks(self.runtime.service, self.clock())
+
     def drain(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """Run every published message through the testmod consumers, in order."""
+        """Run every published message through the testmod consumers, in order (a sweep first)."""
+        self.sweep()
         monkeypatch.syspath_prepend(str(SUPPORT))
         testmod = importlib.import_module("testmod")
         consumer = StepConsumer(
@@ -309,7 +315,7 @@ def test_a_streamed_body_over_max_body_bytes_is_413(api: Api) -> None:
 # --- batch submit ---------------------------------------------------------------------------
 
 
-def test_a_batch_stores_every_task_and_publishes_each_first_step(api: Api) -> None:
+def test_a_batch_stores_every_task_and_the_sweep_publishes_each_first_step(api: Api) -> None:
     assert api.submit({"flow": "three", "task_id": "old", "user_id": "alice"}).status_code == 201
     tasks = [{"flow": "three", "task_id": f"b{i}", "user_id": "alice", "priority": i} for i in range(3)]
     tasks.append({"flow": "three", "task_id": "old", "user_id": "alice"})  # a replay
@@ -322,8 +328,15 @@ def test_a_batch_stores_every_task_and_publishes_each_first_step(api: Api) -> No
     assert sorted(api.stored()) == sorted(["old", "b0", "b1", "b2", answer[4]["task_id"]])
     assert api.store.get("b2").priority == 2  # type: ignore[union-attr]
     assert api.store.get(answer[4]["task_id"]).parameters == {"n": 1}  # type: ignore[union-attr]
+    # Answered once stored: each new task's first step waits, due at once, for the scheduler.
+    assert [(task_id, cursor) for task_id, cursor, *_ in api.published()] == [("old", 0)]
+    first = api.store.get("b0").active  # type: ignore[union-attr]
+    assert (first.seq, first.cursor, first.phase, first.due_at) == (1, 0, Phase.WAITING, api.clock())
+    assert api.sweep() == 4
     published = [(task_id, cursor) for task_id, cursor, *_ in api.published()]
-    assert published == [("old", 0), ("b0", 0), ("b1", 0), ("b2", 0), (answer[4]["task_id"], 0)]
+    assert published[0] == ("old", 0)
+    assert sorted(published[1:]) == sorted([("b0", 0), ("b1", 0), ("b2", 0), (answer[4]["task_id"], 0)])
+    assert api.store.get("b0").active.phase is Phase.QUEUED  # type: ignore[union-attr]
 
 
 def test_a_batch_runs_to_the_end_like_single_submits(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -77,6 +77,18 @@ def test_submit_stores_cursor_zero_status_one_and_queues_step_zero() -> None:
     assert d.task.active.phase is Phase.QUEUED
 
 
+def test_a_deferred_submit_leaves_step_zero_waiting_due_at_once_for_the_sweep() -> None:
+    task = new_task("t1", flow(0, 0), {"Cpu": 4}, now=100.0)
+    d = decide(task, Submit(deferred=True), 100.0)
+    assert d.messages == () and d.task.status is TaskStatus.PENDING
+    assert (d.task.active.seq, d.task.active.cursor, d.task.active.phase, d.task.active.due_at) == (1, 0, Phase.WAITING, 100.0)
+    assert decide(d.task, Due(1), 99.0).ignored  # not before it is due
+    released = decide(d.task, Due(1), 100.5)
+    (msg,) = released.messages
+    assert (msg.seq, msg.cursor, msg.command) == (1, 0, "do0")
+    assert released.task.active.phase is Phase.QUEUED
+
+
 def test_started_sets_running_and_success_merges_results_and_advances() -> None:
     task = submitted(flow(0, 0))
     task = decide(task, Started(task.active.seq), 101.0).task

@@ -68,7 +68,8 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
         return saga_decide(task, event, now, timing)
 
     now = 1000.0
-    decision = decide(new_task("t", flow, {}, now), Submit(), now)
+    # A batch's tasks are stored with their first step waiting for the sweep.
+    decision = decide(new_task("t", flow, {}, now), Submit(deferred=data.draw(st.booleans())), now)
     task = decision.task
     completed: list[int] = []  # normal steps that succeeded, in order
     failed_step: int | None = None
