@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -249,11 +250,13 @@ class TaskService:
         the broker's confirms, not once per message.
         """
         messages = []
+        for flow, count in Counter(decision.task.flow for decision in decisions).items():
+            metrics.SUBMITTED.labels(flow).inc(count)
         for decision in decisions:
-            metrics.SUBMITTED.labels(decision.task.flow).inc()
             log.info("task submitted", extra={"task_id": decision.task.task_id, "flow": decision.task.flow})
-            stored = task_fields(decision.task) | {"version": CREATED_VERSION}  # as the store wrote it
-            messages += [evolve(m, known=stored) for m in decision.messages]
+            if decision.messages:
+                stored = task_fields(decision.task) | {"version": CREATED_VERSION}  # as the store wrote it
+                messages += [evolve(m, known=stored) for m in decision.messages]
         for message, exc in self.publisher.publish_many(messages):
             self._publish_failed(message, exc)
 

@@ -211,11 +211,40 @@ def new_task(
         status=TaskStatus.PENDING,
         cursor=0,
         parameters=dict(parameters),
-        steps=tuple(
-            Step(normal=Command.of(s.normal), rollback=Command.of(s.rollback) if s.rollback else None)
-            for s in flow.steps
-        ),
+        steps=first_steps(flow),
         created_at=now,
         priority=priority,
         user_id=user_id,
     )
+
+
+# Every new task of a flow starts from the same steps, and steps are immutable: they
+# are made once per Flow object and shared (a step that changes is a new Step). By
+# the object's id, as a Flow declaring parameters is not hashable; the flow is kept
+# beside its steps, so an id is not reused while cached. A reload of flows.yaml makes
+# new Flow objects: the bound keeps the old ones from piling up.
+_FIRST_STEPS_KEPT = 256
+_first_steps: dict[int, tuple[Flow, tuple[Step, ...]]] = {}
+_shared: dict[int, tuple[Step, ...]] = {}  # the same steps, by their own id
+
+
+def first_steps(flow: Flow) -> tuple[Step, ...]:
+    """The steps of a new task of ``flow``, shared by all of them."""
+    cached = _first_steps.get(id(flow))
+    if cached is not None and cached[0] is flow:
+        return cached[1]
+    steps = tuple(
+        Step(normal=Command.of(s.normal), rollback=Command.of(s.rollback) if s.rollback else None)
+        for s in flow.steps
+    )
+    if len(_first_steps) >= _FIRST_STEPS_KEPT:
+        _first_steps.clear()
+        _shared.clear()
+    _first_steps[id(flow)] = (flow, steps)
+    _shared[id(steps)] = steps
+    return steps
+
+
+def is_first_steps(steps: tuple[Step, ...]) -> bool:
+    """Whether ``steps`` are a flow's :func:`first_steps`, as a new task holds them."""
+    return _shared.get(id(steps)) is steps

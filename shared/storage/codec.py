@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from shared.states import Phase, StepState, StepType, TaskStatus
-from shared.task import Active, Command, Step, Task
+from shared.task import Active, Command, Step, Task, is_first_steps
 
 # What orjson would encode and json refuses goes to json instead, which refuses it
 # as before: a type it does not know, or a subclass that may encode itself otherwise.
@@ -78,6 +78,24 @@ def step_to_json(step: Step) -> dict[str, Any]:
     }
 
 
+# The JSON of the steps every new task of a flow shares (shared.task.first_steps), made
+# once: new tasks are most of what an intake stores. Shared, so never changed by
+# whoever reads it. Kept as that cache is, by id beside the steps, and bounded.
+_first_json: dict[int, tuple[tuple[Step, ...], list[dict[str, Any]]]] = {}
+
+
+def steps_to_json(steps: tuple[Step, ...]) -> list[dict[str, Any]]:
+    cached = _first_json.get(id(steps))
+    if cached is not None and cached[0] is steps:
+        return cached[1]
+    data = [step_to_json(s) for s in steps]
+    if is_first_steps(steps):
+        if len(_first_json) >= 256:
+            _first_json.clear()
+        _first_json[id(steps)] = (steps, data)
+    return data
+
+
 def step_from_json(data: dict[str, Any]) -> Step:
     rollback = data.get("rollback")
     return Step(
@@ -112,7 +130,7 @@ def task_fields(task: Task) -> dict[str, Any]:
         "priority": task.priority,
         "user_id": task.user_id,
         "parameters": dict(task.parameters),
-        "steps": [step_to_json(s) for s in task.steps],
+        "steps": steps_to_json(task.steps),
         "created_at": task.created_at,
         "started_at": task.started_at,
         "ended_at": task.ended_at,

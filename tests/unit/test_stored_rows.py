@@ -11,10 +11,11 @@ import copy
 import dataclasses
 from typing import Any
 
-from shared.saga import Failed, Started, decide
+from shared.flows import parse_flows
+from shared.saga import Failed, Started, Submit, decide
 from shared.states import Phase, StepType, TaskStatus
-from shared.storage.codec import command_to_json, task_from_row, task_to_row
-from shared.task import Command
+from shared.storage.codec import command_to_json, step_to_json, task_from_row, task_to_row
+from shared.task import Command, new_task
 
 NOW = 1_700_000_000.0
 
@@ -95,3 +96,25 @@ def test_a_command_is_stored_with_every_field_it_has() -> None:
     command = Command("alpha", "step", 20.0, 2, -0.5)
     assert command_to_json(command) == dataclasses.asdict(command)
 
+
+
+def test_new_tasks_of_a_flow_share_their_first_steps_and_their_json() -> None:
+    declared = {"flows": {"two": {"steps": [
+        {"normal": {"module": "m", "command": "a"}, "rollback": {"module": "m", "command": "undo"}},
+        {"normal": {"module": "m", "command": "b", "retry": 2}},
+    ]}}}
+    flow = parse_flows(declared).flows["two"]
+    one, two = new_task("t1", flow, {}, NOW), new_task("t2", flow, {"x": 1}, NOW)
+    assert one.steps is two.steps
+    row = task_to_row(one, NOW)
+    assert row["steps"] is task_to_row(two, NOW)["steps"]
+    assert row["steps"] == [step_to_json(s) for s in one.steps]
+    # A step that changes is a new step: the others' shared steps and JSON stay as they were.
+    ran = decide(decide(one, Submit(), NOW).task, Started(1), NOW + 1).task
+    assert ran.steps[0].state is not one.steps[0].state and two.steps is one.steps
+    assert task_to_row(ran, NOW)["steps"][0]["state"] != row["steps"][0]["state"]
+    assert task_to_row(two, NOW)["steps"] == [step_to_json(s) for s in two.steps]
+    # Flows read again (a reload) are new objects, with steps of their own.
+    again = parse_flows(declared).flows["two"]
+    assert new_task("t3", again, {}, NOW).steps is not one.steps
+    assert task_from_row(task_to_row(new_task("t3", again, {}, NOW), NOW)).steps == one.steps
