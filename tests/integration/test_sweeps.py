@@ -97,6 +97,19 @@ def test_a_batch_s_first_steps_are_stored_and_published_in_one_group(store: Task
     assert sorted(m.task_id for m in publisher.messages) == sorted(task.task_id for task, _ in stored)
 
 
+def test_a_batch_s_first_steps_lost_between_the_sweep_s_commit_and_its_publish_are_published_again(
+    store: TaskStore,  # noqa: F811
+) -> None:
+    clock, publisher = ManualClock(), QueuePublisher()
+    service = TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING)
+    ids = sorted(task.task_id for task, _ in service.submit_many([Submission("one", {"n": i}) for i in range(5)]))
+    assert sweep_tasks(service, clock()) == 5
+    publisher.messages.clear()  # the scheduler died after its commit, before the broker had them
+    clock.advance(TIMING.requeue_after)
+    assert sweep_tasks(service, clock()) == 5
+    assert sorted(m.task_id for m in publisher.messages) == ids and {m.seq for m in publisher.messages} == {1}
+
+
 def test_sweep_expires_running_attempts_past_their_deadline(store: TaskStore) -> None:  # noqa: F811
     from shared.saga import Started
 
