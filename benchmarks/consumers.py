@@ -70,7 +70,8 @@ def submit(service: Any, count: int, batch: int) -> list[str]:
 
     ids = [f"c{uuid.uuid4().hex}" for _ in range(count)]
     for start in range(0, count, batch):
-        service.submit_many([Submission(FLOW, {}, task_id=i) for i in ids[start : start + batch]])
+        # Concurrent submits' path: each first step published now (a batch's waits for a scheduler).
+        service.submit_each([Submission(FLOW, {}, task_id=i) for i in ids[start : start + batch]])
     return ids
 
 

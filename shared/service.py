@@ -257,6 +257,8 @@ class TaskService:
             if decision.messages:
                 stored = task_fields(decision.task) | {"version": CREATED_VERSION}  # as the store wrote it
                 messages += [evolve(m, known=stored) for m in decision.messages]
+        if not messages:
+            return  # a batch's: the sweep publishes them (on RabbitMQ, even none would open a channel)
         for message, exc in self.publisher.publish_many(messages):
             self._publish_failed(message, exc)
 
@@ -461,9 +463,10 @@ class TaskService:
             raise TaskNotFound(f"no task {task_id!r}")
         return task
 
-    def due(self, now: float, limit: int) -> list[tuple[str, int, Phase]]:
-        """(task_id, seq, phase) of outstanding messages due by ``now``: the scheduler's work."""
-        return self.store.due(now, limit)
+    def due(self, now: float, limit: int, waiting: bool) -> list[tuple[str, int, Phase]]:
+        """(task_id, seq, phase) of outstanding messages due by ``now``: the scheduler's work
+        (:meth:`TaskStore.due`)."""
+        return self.store.due(now, limit, waiting)
 
     def list(self, where: TaskFilter) -> list[Task]:
         return self.store.list(where)

@@ -23,11 +23,12 @@ def sweep_tasks(
 ) -> int:
     """Act on every outstanding saga message due by ``now``; returns how many changed.
 
-    Waiting messages are published, queued ones that nobody started are
-    published again, running ones past their deadline count as failed. With
-    ``until`` (on ``time.monotonic``) the pass stops there, after one at least,
-    and leaves the rest due for the next one: under load each takes a write and
-    a publish, and 500 of them can outlast the scheduler's lease.
+    Queued messages that nobody started are published again and running ones
+    past their deadline count as failed, one by one; then waiting messages are
+    published, those of a pass together (one commit, one publish). With
+    ``until`` (on ``time.monotonic``) the pass stops there, after one thing at
+    least, and leaves the rest due for the next one: under load each takes a
+    write and a publish, and 500 of them can outlast the scheduler's lease.
 
     ``backlogged`` names the modules whose queues hold messages waiting now,
     asked once per pass, when a queued message is first due: the queued messages
@@ -36,14 +37,10 @@ def sweep_tasks(
     changed = left = 0
     can_publish = service.publisher.healthy()
     busy: frozenset[str] | None = None
-    due = service.due(now, limit)
-    # Waiting messages go together: a batch's first steps come due by the thousand.
-    waiting = [(task_id, seq) for task_id, seq, phase in due if phase is Phase.WAITING]
-    if waiting and can_publish:
-        changed += service.publish_due(waiting)
-    others = [entry for entry in due if entry[2] is not Phase.WAITING]
-    for n, (task_id, seq, phase) in enumerate(others):
-        if (n or waiting) and until is not None and time.monotonic() >= until:
+    # Asked apart: a backlog of a batch's first steps, waiting by the hundred
+    # thousand, must not hold up an expiry due behind it.
+    for n, (task_id, seq, phase) in enumerate(service.due(now, limit, waiting=False)):
+        if n and until is not None and time.monotonic() >= until:
             break  # at least one a pass, however slow the query before it
         if phase is not Phase.RUNNING and not can_publish:
             continue  # leave it due; publishing now would only fail again
@@ -67,6 +64,11 @@ def sweep_tasks(
             log.warning("sweep: %s", type(event).__name__.lower(), extra={"task_id": task_id, "seq": seq})
     if left:
         log.info("sweep: %d queued message(s) not started in time left in their queue's backlog", left)
+    if can_publish and (until is None or changed == 0 or time.monotonic() < until):
+        # One group: a batch's first steps come due together, a read, a commit and a publish for all.
+        waiting = service.due(now, limit, waiting=True)
+        if waiting:
+            changed += service.publish_due([(task_id, seq) for task_id, seq, _ in waiting])
     return changed
 
 

@@ -284,8 +284,9 @@ class TaskStore(abc.ABC):
     def attempts(self, task_id: str) -> builtins.list[AttemptRecord]: ...
 
     @abc.abstractmethod
-    def due(self, now: float, limit: int) -> builtins.list[tuple[str, int, Phase]]:
-        """(task_id, seq, phase) of outstanding messages whose due time has come, oldest first."""
+    def due(self, now: float, limit: int, waiting: bool) -> builtins.list[tuple[str, int, Phase]]:
+        """(task_id, seq, phase) of outstanding messages whose due time has come, oldest first:
+        the waiting ones, or (``waiting`` False) the queued and running ones."""
 
     @abc.abstractmethod
     def ping(self) -> None:

@@ -144,11 +144,12 @@ class InMemoryStore(TaskStore):
     def events(self, task_id: str) -> builtins.list[TaskEvent]:
         return list(self._events.get(task_id, ()))
 
-    def due(self, now: float, limit: int) -> builtins.list[tuple[str, int, Phase]]:
+    def due(self, now: float, limit: int, waiting: bool) -> builtins.list[tuple[str, int, Phase]]:
         ready = sorted(
             (t.active.due_at, t.task_id, t.active.seq, t.active.phase)
             for t in self._tasks.values()
             if t.active is not None and t.active.due_at is not None and t.active.due_at <= now
+            and (t.active.phase is Phase.WAITING) is waiting
         )
         return [(task_id, seq, phase) for _, task_id, seq, phase in ready[:limit]]
 

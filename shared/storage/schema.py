@@ -14,6 +14,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -27,6 +28,9 @@ Json = JSON().with_variant(JSONB(), "postgresql")
 # queried inside: PostgreSQL checks json's syntax only, where it parses jsonb into a
 # binary form at every write (benchmarks/README.md, "Steps as json").
 JsonText = JSON()
+
+# A task's outstanding message was sent: queued or running, not waiting (shared.states.Phase).
+SENT = text("active_phase <> 0")
 
 tasks = Table(
     "af_tasks",
@@ -61,6 +65,8 @@ tasks = Table(
     Index("ix_af_tasks_user_created", "user_id", "created_at"),
     Index("ix_af_tasks_status_created", "status", "created_at"),
     Index("ix_af_tasks_due", "due_at"),
+    # The due messages already sent, apart from a backlog of waiting ones (migration 0008).
+    Index("ix_af_tasks_due_sent", "due_at", postgresql_where=SENT, sqlite_where=SENT),
 )
 
 # Every attempt of every step, for inspection; the task row stays the truth.

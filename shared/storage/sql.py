@@ -65,7 +65,7 @@ from shared.storage.driver import (
     insert_new,
     prepare_on_request,
 )
-from shared.storage.schema import attempts, metadata, task_events, tasks
+from shared.storage.schema import SENT, attempts, metadata, task_events, tasks
 from shared.storage.statements import (
     CREATE_NEW_TASKS,
     CREATE_TASK,
@@ -164,8 +164,7 @@ class SqlStore(TaskStore):
         if not task_ids:
             return []
         with self.transaction(read_only=True) as conn:
-            rows = conn.execute(select(tasks).where(tasks.c.task_id.in_(task_ids))).all()
-        return [task_from_row(row) for row in rows]
+            return [task_from_row(row) for row in conn.execute(GET_TASKS, {"b_task_ids": list(task_ids)})]
 
     def save(
         self,
@@ -214,12 +213,14 @@ class SqlStore(TaskStore):
                 AttemptRecord(**{**r._mapping, "type": StepType(r.type)}) for r in conn.execute(query)
             ]
 
-    def due(self, now: float, limit: int) -> builtins.list[tuple[str, int, Phase]]:
+    def due(self, now: float, limit: int, waiting: bool) -> builtins.list[tuple[str, int, Phase]]:
         # due_at is NULL unless a message is outstanding, so this range scan on
-        # its index touches only the tasks that need the scheduler now.
+        # its index touches only the tasks that need the scheduler now. The sent
+        # messages have an index of their own, whose condition this one repeats.
+        phase = tasks.c.active_phase == Phase.WAITING if waiting else SENT
         query = (
             select(tasks.c.task_id, tasks.c.active_seq, tasks.c.active_phase)
-            .where(tasks.c.due_at <= now)
+            .where(tasks.c.due_at <= now, phase)
             .order_by(tasks.c.due_at)
             .limit(limit)
         )

@@ -52,11 +52,14 @@ class Harness:
         raise RuntimeError("flow did not settle")
 
     def _release_due(self) -> bool:
-        due = self.store.due(float("inf"), 1)
+        due = [entry for waiting in (True, False) for entry in self.store.due(float("inf"), 1, waiting)]
         if not due:
             return False
-        task = self.store.get(due[0][0])
-        assert task is not None and task.active is not None and task.active.due_at is not None
-        self.clock.now = max(self.clock.now, task.active.due_at)
+        due_at = []
+        for task_id, _, _ in due:
+            task = self.store.get(task_id)
+            assert task is not None and task.active is not None and task.active.due_at is not None
+            due_at.append(task.active.due_at)
+        self.clock.now = max(self.clock.now, min(due_at))
         sweep_tasks(self.service, self.clock.now)
         return True

@@ -432,23 +432,22 @@ class TestTaskStoreContract:
         done, _ = store.create(submitted("finished", created_at=NOW + 4), NOW + 4)
         store.save(replace(done, status=TaskStatus.SUCCESS, active=None, ended_at=NOW + 5), NOW + 5)
 
-        assert store.due(NOW + 5, 100) == []
-        assert store.due(NOW + 10, 100) == [("early", 3, Phase.WAITING)]
-        assert store.due(NOW + 20, 100) == [("early", 3, Phase.WAITING), ("on-time", 3, Phase.WAITING)]
-        everything = store.due(NOW + 10_000, 100)
-        assert [t for t, _, _ in everything] == sorted(
-            ["early", "on-time", "later", "queued"],
-            key=lambda t: {"early": 10, "on-time": 20, "later": 30, "queued": queued.active.due_at - NOW}[t],
-        )
-        assert ("queued", 1, Phase.QUEUED) in everything
-        assert len(store.due(NOW + 10_000, 2)) == 2
+        assert store.due(NOW + 5, 100, waiting=True) == []
+        assert store.due(NOW + 10, 100, waiting=True) == [("early", 3, Phase.WAITING)]
+        assert store.due(NOW + 20, 100, waiting=True) == [("early", 3, Phase.WAITING), ("on-time", 3, Phase.WAITING)]
+        assert store.due(NOW + 20, 100, waiting=False) == []
+        # Waiting messages and sent ones (queued, running) are asked for apart.
+        assert [t for t, _, _ in store.due(NOW + 10_000, 100, waiting=True)] == ["early", "on-time", "later"]
+        assert store.due(NOW + 10_000, 100, waiting=False) == [("queued", 1, Phase.QUEUED)]
+        assert len(store.due(NOW + 10_000, 2, waiting=True)) == 2
 
         # A message moved past its due time is no longer due; a finished task never is.
         early = store.get("early")
         assert early is not None and early.active is not None
         store.save(replace(early, active=replace(early.active, phase=Phase.QUEUED, due_at=NOW + 500)), NOW + 11)
-        assert "early" not in [t for t, _, _ in store.due(NOW + 100, 100)]
-        assert "finished" not in [t for t, _, _ in store.due(NOW + 10_000, 100)]
+        assert "early" not in [t for waiting in (True, False) for t, _, _ in store.due(NOW + 100, 100, waiting)]
+        assert store.due(NOW + 10_000, 100, waiting=False) == [("queued", 1, Phase.QUEUED), ("early", 3, Phase.QUEUED)]
+        assert "finished" not in [t for waiting in (True, False) for t, _, _ in store.due(NOW + 10_000, 100, waiting)]
 
     def test_ping(self, store: TaskStore) -> None:
         store.ping()

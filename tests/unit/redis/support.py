@@ -284,7 +284,7 @@ class Worker:
         for _ in range(limit):
             if self.step() is not None:
                 continue
-            if not self.runtime.service.due(float("inf"), 1):
+            if not any(self.runtime.service.due(float("inf"), 1, waiting) for waiting in (True, False)):
                 return self.deliveries[start:]
             self.clock.advance(tick)
             sweep_tasks(self.runtime.service, self.clock.now)

@@ -182,9 +182,9 @@ def test_a_task_submitted_while_redis_is_down_is_published_by_the_sweep_once_it_
     fake_server.connected = True
     clock.advance(settings.publish_retry)
     outstanding = [(task.task_id, stored.active.seq, Phase.QUEUED)]
-    assert runtime.service.due(clock.now, 10) == outstanding
+    assert runtime.service.due(clock.now, 10, waiting=False) == outstanding
     assert sweep_tasks(runtime.service, clock.now) == 0
-    assert runtime.service.due(clock.now, 10) == outstanding
+    assert runtime.service.due(clock.now, 10, waiting=False) == outstanding
     assert message_keys(redis_client) == set()
 
     wait_for(publisher.healthy, 2.0, "the publisher's pause after a failure to end")
