@@ -254,9 +254,7 @@ class TaskService:
             metrics.SUBMITTED.labels(flow).inc(count)
         for decision in decisions:
             log.info("task submitted", extra={"task_id": decision.task.task_id, "flow": decision.task.flow})
-            if decision.messages:
-                stored = task_fields(decision.task) | {"version": CREATED_VERSION}  # as the store wrote it
-                messages += [evolve(m, known=stored) for m in decision.messages]
+            messages += [with_copy(m, decision.task, CREATED_VERSION) for m in decision.messages]
         if not messages:
             return  # a batch's: the sweep publishes them (on RabbitMQ, even none would open a channel)
         for message, exc in self.publisher.publish_many(messages):
@@ -380,7 +378,8 @@ class TaskService:
                 if message.attempt > 1:
                     metrics.RETRIES.labels(message.module, message.command).inc()
                 if message is not carried:
-                    messages.append(message)
+                    # A first step published by the sweep (a batch's) carries its task as a submit's does.
+                    messages.append(with_copy(message, task, before.version + 1) if message.seq == 1 else message)
         if len(messages) == 1:
             try:
                 self.publisher.publish(messages[0])
@@ -527,6 +526,12 @@ class _Step:
             timed_out = expiry(before, self.now, self.service.timing).timed_out
             metrics.EXPIRED.labels("deadline" if timed_out else "heartbeat").inc()
         return evolve(decision, task=evolve(decision.task, version=before.version + 1))
+
+
+def with_copy(message: StepMessage, task: Task, version: int) -> StepMessage:
+    """``message`` carrying ``task`` as stored at ``version`` (``StepMessage.known``): its
+    consumer starts the step on that copy, without a read."""
+    return evolve(message, known=task_fields(task) | {"version": version})
 
 
 def run_on(decision: Decision) -> StepMessage | None:

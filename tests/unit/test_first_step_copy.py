@@ -20,6 +20,7 @@ from shared.flows import load_flows
 from shared.module import Module, StepContext
 from shared.records import evolve
 from shared.saga import Cancel, PublishFailed, Retry
+from shared.scheduler.sweeps import sweep_tasks
 from shared.service import Submission, TaskService
 from shared.states import StepState
 from shared.storage import InMemoryStore
@@ -90,6 +91,18 @@ def test_the_first_message_carries_the_task_exactly_as_stored(submit: Callable[[
     (message,) = h.publisher.messages
     assert message.known is not None
     assert task_from_row(over_the_wire(message).known) == store.get(task.task_id) == task
+
+
+def test_a_batch_s_first_message_published_by_the_sweep_carries_the_task_as_stored() -> None:
+    h, store, ran = harness()
+    (task, _), (other, _) = h.service.submit_many([Submission("three", {"Name": "a"}), Submission("three", {})])
+    assert not h.publisher.messages  # stored waiting: the sweep publishes them
+    assert sweep_tasks(h.service, h.clock()) == 2
+    first = next(m for m in h.publisher.messages if m.task_id == task.task_id)
+    assert first.known is not None and task_from_row(over_the_wire(first).known) == store.get(task.task_id)
+    store.reads = 0
+    h.consumer.handle(over_the_wire(first))
+    assert store.reads == 0 and ran[0] == ("step", 0, {"Name": "a"})
 
 
 @pytest.mark.parametrize("within", [None, FAR], ids=["published", "run on"])
