@@ -59,20 +59,26 @@ MODES = ("each", "grouped", "pipelined")
 
 @contextmanager
 def recording(statements: set[int]) -> Iterator[list[Recorded]]:
-    """Every run of one of ``statements`` (by id), in order."""
+    """Every run of one of ``statements`` (by id), in order: through the cursor
+    (``run``) or, as a transition goes, on libpq's own call (``count``)."""
     sent: list[Recorded] = []
-    run = DriverStatement.run
+    originals = {name: getattr(DriverStatement, name) for name in ("run", "count")}
 
-    def record(self: DriverStatement, cursor: Any, values: Any) -> Any:
-        if id(self) in statements:
-            sent.append((self, dict(values)))
-        return run(self, cursor, values)
+    def recorder(original: Any) -> Any:
+        def record(self: DriverStatement, cursor: Any, values: Any) -> Any:
+            if id(self) in statements:
+                sent.append((self, dict(values)))
+            return original(self, cursor, values)
 
-    DriverStatement.run = record  # type: ignore[method-assign]
+        return record
+
+    for name, original in originals.items():
+        setattr(DriverStatement, name, recorder(original))
     try:
         yield sent
     finally:
-        DriverStatement.run = run  # type: ignore[method-assign]
+        for name, original in originals.items():
+            setattr(DriverStatement, name, original)
 
 
 def record_flows(
