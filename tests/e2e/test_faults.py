@@ -8,6 +8,7 @@ These tests stop RabbitMQ and PostgreSQL for a few seconds; run them alone
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -231,6 +232,28 @@ def test_sigterm_gives_up_on_a_stuck_attempt_after_the_grace(faulty: Stack) -> N
     step1 = [a for a in doc["attempts"] if a["cursor"] == 1]
     assert step1[0]["outcome"] == "failed" and "worker stopped" in step1[0]["error"]
     assert step1[-1]["outcome"] == "succeeded"
+
+
+def test_scheduler_killed_while_it_publishes_a_batch_loses_no_flow_and_runs_none_twice(faulty: Stack) -> None:
+    faulty.kill("scheduler")
+    body = {"tasks": [{"flow": "short", "parameters": {}} for _ in range(520)]}  # two sweep groups: 500, 20
+    answer = httpx.post(faulty.url + "/api/batches", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    ids = [t["task_id"] for t in answer.json()["tasks"]]
+    assert {faulty.get(i)["current"]["phase"] for i in ids[:20]} == {"waiting"}  # stored, nothing published
+    led = faulty.log("scheduler", tail=None).count(" leads (epoch")
+    faulty.respawn("scheduler")
+    # Killed as its release begins: before a group's commit, between it and the publish, or after.
+    wait_for(lambda: faulty.log("scheduler", tail=None).count(" leads (epoch") > led, 30, "the scheduler to lead")
+    faulty.kill("scheduler")
+    faulty.respawn("scheduler")
+    for task_id in ids:
+        assert faulty.wait_stopped(task_id, timeout=120)["task_status"] == 0
+    ran: dict[str, list[tuple[int, int, int]]] = {}
+    for line in faulty.journal.read_text().splitlines():
+        entry = json.loads(line)
+        ran.setdefault(entry["task"], []).append((entry["cursor"], entry["type"], entry["attempt"]))
+    assert {task_id: ran.get(task_id) for task_id in ids} == dict.fromkeys(ids, [(0, 0, 1), (1, 0, 1)])
 
 
 def test_api_killed_between_requests_loses_nothing(faulty: Stack) -> None:
