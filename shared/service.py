@@ -306,11 +306,16 @@ class TaskService:
 
         A batch's first steps come due together (:meth:`submit_many`): their
         tasks are read in one query, their transitions committed together and
-        their messages published together (:meth:`apply_many`).
+        their messages published together (:meth:`apply_many`). Raises
+        :class:`StorageUnavailable` if the database was, as :meth:`apply` would
+        (after publishing what was stored): the scheduler then waits for it.
         """
         due = sorted(due)  # rows locked in one order: two schedulers' groups wait, never deadlock
         known = {task.task_id: task for task in self.store.get_many([task_id for task_id, _ in due])}
         answers = self.apply_many([Change(task_id, Due(seq), known.get(task_id)) for task_id, seq in due])
+        unavailable = next((answer for answer in answers if isinstance(answer, StorageUnavailable)), None)
+        if unavailable is not None:
+            raise unavailable
         return sum(isinstance(answer, Decision) and not answer.ignored for answer in answers)
 
     def apply_many(self, changes: Sequence[Change]) -> builtins.list[Decision | Exception]:

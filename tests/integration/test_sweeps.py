@@ -7,12 +7,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+import pytest
+
 from shared.flows import parse_flows
 from shared.saga import Timing
 from shared.scheduler import sweep_tasks
 from shared.service import Submission, TaskService
 from shared.states import Phase, StepCode, TaskStatus
-from shared.storage import TaskStore
+from shared.storage import StorageUnavailable, TaskStore
 from shared.task import StepMessage
 from shared.testing import ManualClock, QueuePublisher
 
@@ -94,6 +96,21 @@ def test_a_batch_s_first_steps_are_stored_and_published_in_one_group(store: Task
     assert sweep_tasks(service, clock()) == 30
     assert writes == [30]
     assert sorted(m.task_id for m in publisher.messages) == sorted(task.task_id for task, _ in stored)
+
+
+def test_a_sweep_that_cannot_store_a_batch_s_release_raises_and_leaves_it_waiting(store: TaskStore) -> None:  # noqa: F811
+    clock, publisher = ManualClock(), QueuePublisher()
+    service = TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING)
+    stored = service.submit_many([Submission("one", {"n": i}) for i in range(3)])
+
+    def down(*args: object, **kwargs: object) -> bool:
+        raise StorageUnavailable("the database went away")
+
+    store.save_many, store.save = down, down  # type: ignore[method-assign,assignment]
+    with pytest.raises(StorageUnavailable):  # as a sweep's single apply raises it: the scheduler waits
+        sweep_tasks(service, clock())
+    assert not publisher.messages
+    assert {store.get(task.task_id).active.phase for task, _ in stored} == {Phase.WAITING}  # type: ignore[union-attr]
 
 
 def test_a_batch_s_first_steps_lost_between_the_sweep_s_commit_and_its_publish_are_published_again(
