@@ -313,9 +313,12 @@ class TaskService:
         due = sorted(due)  # rows locked in one order: two schedulers' groups wait, never deadlock
         known = {task.task_id: task for task in self.store.get_many([task_id for task_id, _ in due])}
         answers = self.apply_many([Change(task_id, Due(seq), known.get(task_id)) for task_id, seq in due])
-        unavailable = next((answer for answer in answers if isinstance(answer, StorageUnavailable)), None)
+        errors = [answer for answer in answers if isinstance(answer, Exception) and not isinstance(answer, TaskNotFound)]
+        unavailable = next((error for error in errors if isinstance(error, StorageUnavailable)), None)
         if unavailable is not None:
             raise unavailable
+        if errors:  # left waiting, due: the next pass tries them again
+            log.warning("%d waiting message(s) not published: %s", len(errors), errors[0], exc_info=errors[0])
         return sum(isinstance(answer, Decision) and not answer.ignored for answer in answers)
 
     def apply_many(self, changes: Sequence[Change]) -> builtins.list[Decision | Exception]:

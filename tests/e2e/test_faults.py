@@ -234,26 +234,38 @@ def test_sigterm_gives_up_on_a_stuck_attempt_after_the_grace(faulty: Stack) -> N
     assert step1[-1]["outcome"] == "succeeded"
 
 
-def test_scheduler_killed_while_it_publishes_a_batch_loses_no_flow_and_runs_none_twice(faulty: Stack) -> None:
+def test_scheduler_killed_as_it_publishes_a_batch_loses_no_flow_and_runs_none_twice(faulty: Stack) -> None:
+    """Where the kill lands is not chosen here (before the first group's commit, between
+    it and its publish, or after); tests/integration/test_sweeps.py loses a group's
+    messages after its commit on purpose."""
     faulty.kill("scheduler")
     body = {"tasks": [{"flow": "short", "parameters": {}} for _ in range(520)]}  # two sweep groups: 500, 20
     answer = httpx.post(faulty.url + "/api/batches", json=body, timeout=60)
     assert answer.status_code == 200, answer.text
     ids = [t["task_id"] for t in answer.json()["tasks"]]
     assert {faulty.get(i)["current"]["phase"] for i in ids[:20]} == {"waiting"}  # stored, nothing published
-    led = faulty.log("scheduler", tail=None).count(" leads (epoch")
     faulty.respawn("scheduler")
-    # Killed as its release begins: before a group's commit, between it and the publish, or after.
-    wait_for(lambda: faulty.log("scheduler", tail=None).count(" leads (epoch") > led, 30, "the scheduler to lead")
+    # The batch's first 500 are the first group (due in the order they were made): killed once it is stored.
+    wait_for(lambda: faulty.get(ids[0])["current"]["phase"] != "waiting", 30, "the release to begin")
     faulty.kill("scheduler")
     faulty.respawn("scheduler")
     for task_id in ids:
-        assert faulty.wait_stopped(task_id, timeout=120)["task_status"] == 0
+        doc = faulty.wait_stopped(task_id, timeout=120)
+        assert doc["task_status"] == 0, doc
+        assert [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]] == [
+            (0, 1, "succeeded"), (1, 1, "succeeded"),
+        ]
     ran: dict[str, list[tuple[int, int, int]]] = {}
     for line in faulty.journal.read_text().splitlines():
         entry = json.loads(line)
         ran.setdefault(entry["task"], []).append((entry["cursor"], entry["type"], entry["attempt"]))
-    assert {task_id: ran.get(task_id) for task_id in ids} == dict.fromkeys(ids, [(0, 0, 1), (1, 0, 1)])
+    for task_id in ids:
+        if faulty.env.get("ASYNCFLOW_RECORD_START_AFTER"):
+            # A start recorded only with its outcome: a copy the requeue sweep published
+            # while the first waited in a worker's prefetch may run as well, the same attempt.
+            assert set(ran[task_id]) == {(0, 0, 1), (1, 0, 1)}, ran[task_id]
+        else:
+            assert ran[task_id] == [(0, 0, 1), (1, 0, 1)]
 
 
 def test_api_killed_between_requests_loses_nothing(faulty: Stack) -> None:
