@@ -332,8 +332,9 @@ class TaskService:
         change nothing (the copy may be out of date), goes on alone as
         :meth:`apply` would; so does every change when the group's write fails
         (refused, or the database unavailable: nothing of it is written). Never
-        raises: returns each change's decision, or what its :meth:`apply` raised
-        (:class:`StorageUnavailable` among them). Two changes of one task (a
+        raises: returns each change's decision, or what its :meth:`apply` raised;
+        once one alone finds the database unavailable, the rest are answered
+        :class:`StorageUnavailable` without a try. Two changes of one task (a
         message and its copy, both delivered) are both decided on its copy: the
         second's compare-and-set then fails, and it goes on alone.
         """
@@ -360,12 +361,19 @@ class TaskService:
         self._after([(known, decision) for _, _, known, decision in done])
         for i, step, known, decision in done:
             answers[i] = step.stored(known, decision)
+        unavailable: StorageUnavailable | None = None
         for i, change in enumerate(changes):
-            if answers[i] is None:
-                try:
-                    answers[i] = self.apply(change.task_id, change.event, worker=change.worker, keep=change.keep)
-                except Exception as exc:  # this change's alone; the others stand
-                    answers[i] = exc
+            if answers[i] is not None:
+                continue
+            if unavailable is not None:
+                answers[i] = unavailable  # the others would find it so too, each after its own wait
+                continue
+            try:
+                answers[i] = self.apply(change.task_id, change.event, worker=change.worker, keep=change.keep)
+            except StorageUnavailable as exc:
+                answers[i] = unavailable = exc
+            except Exception as exc:  # this change's alone; the others stand
+                answers[i] = exc
         return answers  # type: ignore[return-value]  # every None was filled
 
     def _after(self, changed: Sequence[tuple[Task, Decision]]) -> None:

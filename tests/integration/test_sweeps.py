@@ -103,12 +103,16 @@ def test_a_sweep_that_cannot_store_a_batch_s_release_raises_and_leaves_it_waitin
     service = TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING)
     stored = service.submit_many([Submission("one", {"n": i}) for i in range(3)])
 
+    tries: list[str] = []
+
     def down(*args: object, **kwargs: object) -> bool:
+        tries.append("write")
         raise StorageUnavailable("the database went away")
 
     store.save_many, store.save = down, down  # type: ignore[method-assign,assignment]
     with pytest.raises(StorageUnavailable):  # as a sweep's single apply raises it: the scheduler waits
         sweep_tasks(service, clock())
+    assert len(tries) == 2  # the group's write, then one alone: the others are not tried
     assert not publisher.messages
     assert {store.get(task.task_id).active.phase for task, _ in stored} == {Phase.WAITING}  # type: ignore[union-attr]
 
