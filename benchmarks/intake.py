@@ -20,7 +20,8 @@ submits ≥ 15,000 tasks/s.
 Then, unless `--no-release`, the other half of a batch: `asyncflow scheduler`
 starts and publishes every first step the batches left waiting; printed are
 the steps released per second and the CPU per step of the scheduler and the
-servers (no worker runs: each message stays in its module's queue).
+servers (no worker runs: each message stays in its module's queue, and the
+scheduler is told to fill the queues without bound, `ASYNCFLOW_RELEASE_AHEAD`).
 
     .venv/bin/python benchmarks/intake.py --backend postgres-rabbitmq --clients 4 --batch 500
 """
@@ -116,6 +117,8 @@ def release(stack: Stack, database_url: str, timeout: float) -> dict[str, Any]:
     waiting = waiting_first_steps(database_url)
     servers_before = servers_cpu()
     started = time.monotonic()
+    # No worker takes them: unbounded, or it would stop at each queue's ASYNCFLOW_RELEASE_AHEAD.
+    stack.env["ASYNCFLOW_RELEASE_AHEAD"] = str(10**9)
     stack.spawn("scheduler", "scheduler")
     left = waiting
     while left and time.monotonic() - started < timeout:

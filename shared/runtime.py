@@ -191,13 +191,22 @@ class Runtime:
             processes=self.process_store,
             # A publisher given in place of the configured one has no broker to ask.
             backlogged=self.backlogged_modules if self._publisher is None else None,
+            room=self.queue_room if self._publisher is None else None,
         )
 
     def backlogged_modules(self) -> frozenset[str]:
         """The push modules whose queues hold messages waiting now, as the broker counts them."""
+        return frozenset(m for m, depth in self._depths().items() if depth > 0)
+
+    def queue_room(self) -> dict[str, int]:
+        """How many more of a batch's first steps each push module's queue may be given now."""
+        ahead = self.settings.release_ahead
+        return {m: max(0, ahead - depth) for m, depth in self._depths().items()}
+
+    def _depths(self) -> dict[str, int]:
         queues = {queue_name(m): m for m in sorted(self.flows.push_module_names())}
         depths = queue_depths(self.settings, list(queues), DEPTH_TIMEOUT)
-        return frozenset(m for q, m in queues.items() if depths.get(q, 0) > 0)
+        return {m: depths.get(q, 0) for q, m in queues.items()}
 
     def consumer(self, names: list[str]) -> StepConsumer:
         """The step consumer of a worker serving ``names``, with its Celery tasks registered."""

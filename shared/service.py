@@ -45,7 +45,7 @@ from shared.saga import (
     unrecorded_start,
 )
 from shared.states import Phase, StepType
-from shared.storage import AttemptRecord, StorageUnavailable, TaskEvent, TaskFilter, TaskStore
+from shared.storage import AttemptRecord, Outstanding, StorageUnavailable, TaskEvent, TaskFilter, TaskStore
 from shared.storage.base import CREATED_VERSION, Save, all_stored, create_each
 from shared.storage.codec import task_fields
 from shared.task import Alarm, StepMessage, Task, new_task
@@ -478,10 +478,19 @@ class TaskService:
             raise TaskNotFound(f"no task {task_id!r}")
         return task
 
-    def due(self, now: float, limit: int, waiting: bool) -> list[tuple[str, int, Phase]]:
+    def due(
+        self, now: float, limit: int, kind: Outstanding, flow: str | None = None
+    ) -> list[tuple[str, int, Phase]]:
         """(task_id, seq, phase) of outstanding messages due by ``now``: the scheduler's work
         (:meth:`TaskStore.due`)."""
-        return self.store.due(now, limit, waiting)
+        return self.store.due(now, limit, kind, flow)
+
+    def waiting_flows(self) -> list[tuple[str, str | None]]:
+        """Each flow with a batch's first steps waiting, and the module of its first step
+        (None for a flow flows.yaml no longer declares)."""
+        flows = self.flows
+        declared = {name: flow.steps[0].normal.module for name, flow in flows.flows.items()}
+        return [(name, declared.get(name)) for name in self.store.waiting_flows()]
 
     def list(self, where: TaskFilter) -> list[Task]:
         return self.store.list(where)

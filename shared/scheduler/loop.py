@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from shared import metrics
@@ -62,6 +62,7 @@ class Scheduler:
         owner: str | None = None,
         processes: ProcessStore | None = None,
         backlogged: Callable[[], frozenset[str]] | None = None,
+        room: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         self.service = service
         self.pull = pull
@@ -71,6 +72,7 @@ class Scheduler:
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.processes = processes
         self.backlogged = backlogged  # modules whose queues hold messages waiting (sweep_tasks)
+        self.room = room  # how many of a batch's first steps each module's queue may take (sweep_tasks)
         self.lease: Lease | None = None
         self.timetable = Timetable()
         self._due = {"renew": 0.0, "load": 0.0, "changes": 0.0, "sweep": 0.0, "purge": 0.0, "processes": 0.0}
@@ -87,7 +89,7 @@ class Scheduler:
         """
         now = self.clock()
         until = time.monotonic() + self.cadence.lease_ttl / 10
-        swept = sweep_tasks(self.service, now, until=until, backlogged=self.backlogged)
+        swept = sweep_tasks(self.service, now, until=until, backlogged=self.backlogged, room=self.room)
         return swept + sweep_leases(self.pull, now)
 
     def run(self, stop: threading.Event) -> None:

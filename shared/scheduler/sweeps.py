@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from shared.pull.service import PullService
 from shared.saga import Expire, Requeue
 from shared.service import TaskNotFound, TaskService
 from shared.states import Phase
+from shared.storage import Outstanding
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,7 @@ def sweep_tasks(
     limit: int = 500,
     until: float | None = None,
     backlogged: Callable[[], frozenset[str]] | None = None,
+    room: Callable[[], Mapping[str, int]] | None = None,
 ) -> int:
     """Act on every outstanding saga message due by ``now``; returns how many changed.
 
@@ -33,13 +35,19 @@ def sweep_tasks(
     ``backlogged`` names the modules whose queues hold messages waiting now,
     asked once per pass, when a queued message is first due: the queued messages
     of those modules are left in their queues (:class:`Requeue`).
+
+    ``room`` tells how many more messages each module's queue may be given now:
+    a batch's first steps are published flow by flow, oldest first, as far as
+    their module's queue has room, and the rest wait in the database, where a
+    backlog costs no write until it is published. Without it, or without an
+    answer, they are all published when due.
     """
     changed = left = 0
     can_publish = service.publisher.healthy()
     busy: frozenset[str] | None = None
-    # Asked apart: a backlog of a batch's first steps, waiting by the hundred
-    # thousand, must not hold up an expiry due behind it.
-    for n, (task_id, seq, phase) in enumerate(service.due(now, limit, waiting=False)):
+    # Each kind asked apart: a backlog of a batch's first steps, waiting by the
+    # hundred thousand, must not hold up an expiry or a retry due behind it.
+    for n, (task_id, seq, phase) in enumerate(service.due(now, limit, Outstanding.SENT)):
         if n and until is not None and time.monotonic() >= until:
             break  # at least one a pass, however slow the query before it
         if phase is not Phase.RUNNING and not can_publish:
@@ -65,11 +73,43 @@ def sweep_tasks(
     if left:
         log.info("sweep: %d queued message(s) not started in time left in their queue's backlog", left)
     if can_publish and (until is None or changed == 0 or time.monotonic() < until):
-        # One group: a batch's first steps come due together, a read, a commit and a publish for all.
-        waiting = service.due(now, limit, waiting=True)
-        if waiting:
-            changed += service.publish_due([(task_id, seq) for task_id, seq, _ in waiting])
+        # Waiting messages go in groups: a read, a commit and a publish for each.
+        later = service.due(now, limit, Outstanding.LATER)
+        if later:
+            changed += service.publish_due([(task_id, seq) for task_id, seq, _ in later])
+        changed += _release_first_steps(service, now, limit, until, room)
     return changed
+
+
+def _release_first_steps(
+    service: TaskService, now: float, limit: int, until: float | None, room: Callable[[], Mapping[str, int]] | None
+) -> int:
+    """Publish a batch's first steps, flow by flow, as far as their module's queue has room."""
+    flows = service.waiting_flows()
+    if not flows:
+        return 0
+    free = dict(_room(room) or {})
+    released = 0
+    for flow, module in flows:
+        if released and until is not None and time.monotonic() >= until:
+            break
+        count = min(limit, free[module]) if module in free else limit
+        due = service.due(now, count, Outstanding.FIRST, flow) if count > 0 else []
+        if due:
+            released += service.publish_due([(task_id, seq) for task_id, seq, _ in due])
+            if module in free:
+                free[module] -= len(due)
+    return released
+
+
+def _room(room: Callable[[], Mapping[str, int]] | None) -> Mapping[str, int] | None:
+    if room is None:
+        return None
+    try:
+        return room()
+    except Exception as exc:  # no answer: publish them all, as without the check
+        log.warning("sweep: queue depths unknown, a batch's first steps are published as they come due: %s", exc)
+        return None
 
 
 def _backlogged(backlogged: Callable[[], frozenset[str]] | None) -> frozenset[str]:

@@ -6,6 +6,7 @@ attempts; :class:`PullStore` holds v1 pull-mode tasks and task types.
 
 from shared.storage.base import (
     AttemptRecord,
+    Outstanding,
     PullStore,
     StorageError,
     StorageUnavailable,
@@ -22,6 +23,7 @@ __all__ = [
     "AttemptRecord",
     "InMemoryPullStore",
     "InMemoryStore",
+    "Outstanding",
     "PullStore",
     "SqlStore",
     "StorageError",

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, NamedTuple, TypeVar
 
 from shared.pull.rules import PullTask, TaskType
@@ -23,6 +24,20 @@ T = TypeVar("T")
 
 class StorageError(Exception):
     """Root of storage errors."""
+
+
+class Outstanding(Enum):
+    """A kind of outstanding message, as :meth:`TaskStore.due` lists them: each apart, through an
+    index of its own, so that a backlog of one kind never holds up another."""
+
+    SENT = "sent"  # queued or running: requeued or expired when due
+    LATER = "later"  # a later step's, waiting: a retry's backoff, a poll
+    FIRST = "first"  # a batch's first step, waiting to be published
+
+    def holds(self, phase: Phase, seq: int) -> bool:
+        if self is Outstanding.SENT:
+            return phase is not Phase.WAITING
+        return phase is Phase.WAITING and (seq == 1) is (self is Outstanding.FIRST)
 
 
 class StorageUnavailable(StorageError):
@@ -284,9 +299,15 @@ class TaskStore(abc.ABC):
     def attempts(self, task_id: str) -> builtins.list[AttemptRecord]: ...
 
     @abc.abstractmethod
-    def due(self, now: float, limit: int, waiting: bool) -> builtins.list[tuple[str, int, Phase]]:
-        """(task_id, seq, phase) of outstanding messages whose due time has come, oldest first:
-        the waiting ones, or (``waiting`` False) the queued and running ones."""
+    def due(
+        self, now: float, limit: int, kind: Outstanding, flow: str | None = None
+    ) -> builtins.list[tuple[str, int, Phase]]:
+        """(task_id, seq, phase) of outstanding messages of ``kind`` whose due time has come,
+        oldest first; only ``flow``'s if given."""
+
+    @abc.abstractmethod
+    def waiting_flows(self) -> builtins.list[str]:
+        """The flows with a batch's first steps waiting to be published (Outstanding.FIRST)."""
 
     @abc.abstractmethod
     def ping(self) -> None:

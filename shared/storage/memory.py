@@ -24,6 +24,7 @@ from shared.storage.base import (
     Firing,
     Lease,
     NotLeader,
+    Outstanding,
     ProcessRecord,
     ProcessStore,
     PullStore,
@@ -144,14 +145,22 @@ class InMemoryStore(TaskStore):
     def events(self, task_id: str) -> builtins.list[TaskEvent]:
         return list(self._events.get(task_id, ()))
 
-    def due(self, now: float, limit: int, waiting: bool) -> builtins.list[tuple[str, int, Phase]]:
+    def due(
+        self, now: float, limit: int, kind: Outstanding, flow: str | None = None
+    ) -> builtins.list[tuple[str, int, Phase]]:
         ready = sorted(
             (t.active.due_at, t.task_id, t.active.seq, t.active.phase)
-            for t in self._tasks.values()
+            for t in list(self._tasks.values())
             if t.active is not None and t.active.due_at is not None and t.active.due_at <= now
-            and (t.active.phase is Phase.WAITING) is waiting
+            and kind.holds(t.active.phase, t.active.seq) and (flow is None or t.flow == flow)
         )
         return [(task_id, seq, phase) for _, task_id, seq, phase in ready[:limit]]
+
+    def waiting_flows(self) -> builtins.list[str]:
+        return sorted({
+            t.flow for t in list(self._tasks.values())
+            if t.active is not None and Outstanding.FIRST.holds(t.active.phase, t.active.seq)
+        })
 
     def ping(self) -> None:
         return None

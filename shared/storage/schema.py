@@ -29,8 +29,11 @@ Json = JSON().with_variant(JSONB(), "postgresql")
 # binary form at every write (benchmarks/README.md, "Steps as json").
 JsonText = JSON()
 
-# A task's outstanding message was sent: queued or running, not waiting (shared.states.Phase).
+# Which due messages each kind is (shared.states.Phase: 0 is waiting; a task's first
+# message has seq 1, and only a batch's waits): the conditions of their indexes.
 SENT = text("active_phase <> 0")
+LATER = text("active_phase = 0 AND active_seq <> 1")
+FIRST = text("active_phase = 0 AND active_seq = 1")
 
 tasks = Table(
     "af_tasks",
@@ -65,8 +68,10 @@ tasks = Table(
     Index("ix_af_tasks_user_created", "user_id", "created_at"),
     Index("ix_af_tasks_status_created", "status", "created_at"),
     Index("ix_af_tasks_due", "due_at"),
-    # The due messages already sent, apart from a backlog of waiting ones (migration 0008).
+    # The due messages of each kind apart (migration 0008).
     Index("ix_af_tasks_due_sent", "due_at", postgresql_where=SENT, sqlite_where=SENT),
+    Index("ix_af_tasks_due_later", "due_at", postgresql_where=LATER, sqlite_where=LATER),
+    Index("ix_af_tasks_due_first", "flow", "due_at", postgresql_where=FIRST, sqlite_where=FIRST),
 )
 
 # Every attempt of every step, for inspection; the task row stays the truth.

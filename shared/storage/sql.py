@@ -29,6 +29,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    text,
     union_all,
 )
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
@@ -39,6 +40,7 @@ from shared.storage.base import (
     CREATED_VERSION,
     AttemptRecord,
     Cursor,
+    Outstanding,
     Save,
     StatusCounts,
     StorageUnavailable,
@@ -65,7 +67,7 @@ from shared.storage.driver import (
     insert_new,
     prepare_on_request,
 )
-from shared.storage.schema import SENT, attempts, metadata, task_events, tasks
+from shared.storage.schema import FIRST, LATER, SENT, attempts, metadata, task_events, tasks
 from shared.storage.statements import (
     CREATE_NEW_TASKS,
     CREATE_TASK,
@@ -80,6 +82,19 @@ from shared.storage.statements import (
     UPDATE_ATTEMPT,
 )
 from shared.task import Task
+
+# Each kind of due message through its own partial index (migration 0008).
+DUE_KINDS = {Outstanding.SENT: SENT, Outstanding.LATER: LATER, Outstanding.FIRST: FIRST}
+# The distinct flows of the waiting first steps, one probe of their index per flow
+# (a loose index scan: a DISTINCT would read every entry of a backlog).
+WAITING_FLOWS = text(
+    "WITH RECURSIVE f(flow) AS ("
+    " SELECT min(flow) FROM af_tasks WHERE active_phase = 0 AND active_seq = 1"
+    " UNION ALL SELECT (SELECT min(t.flow) FROM af_tasks t"
+    " WHERE t.active_phase = 0 AND t.active_seq = 1 AND t.flow > f.flow)"
+    " FROM f WHERE f.flow IS NOT NULL"
+    ") SELECT flow FROM f"
+)
 
 
 class SqlStore(TaskStore):
@@ -213,19 +228,26 @@ class SqlStore(TaskStore):
                 AttemptRecord(**{**r._mapping, "type": StepType(r.type)}) for r in conn.execute(query)
             ]
 
-    def due(self, now: float, limit: int, waiting: bool) -> builtins.list[tuple[str, int, Phase]]:
-        # due_at is NULL unless a message is outstanding, so this range scan on
-        # its index touches only the tasks that need the scheduler now. The sent
-        # messages have an index of their own, whose condition this one repeats.
-        phase = tasks.c.active_phase == Phase.WAITING if waiting else SENT
+    def due(
+        self, now: float, limit: int, kind: Outstanding, flow: str | None = None
+    ) -> builtins.list[tuple[str, int, Phase]]:
+        # due_at is NULL unless a message is outstanding, so a range scan of the
+        # kind's index, whose condition this repeats, touches only the tasks that
+        # need the scheduler now.
         query = (
             select(tasks.c.task_id, tasks.c.active_seq, tasks.c.active_phase)
-            .where(tasks.c.due_at <= now, phase)
+            .where(tasks.c.due_at <= now, DUE_KINDS[kind])
             .order_by(tasks.c.due_at)
             .limit(limit)
         )
+        if flow is not None:
+            query = query.where(tasks.c.flow == flow)
         with self.transaction(read_only=True) as conn:
             return [(r.task_id, r.active_seq, Phase(r.active_phase)) for r in conn.execute(query)]
+
+    def waiting_flows(self) -> builtins.list[str]:
+        with self.transaction(read_only=True) as conn:
+            return [str(flow) for flow in conn.execute(WAITING_FLOWS).scalars() if flow is not None]
 
     def ping(self) -> None:
         with self.transaction(read_only=True) as conn:

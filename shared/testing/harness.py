@@ -17,7 +17,7 @@ from shared.flows import FlowSet
 from shared.module import Module
 from shared.scheduler import sweep_tasks
 from shared.service import TaskService, timing_of
-from shared.storage import InMemoryStore, TaskStore
+from shared.storage import InMemoryStore, Outstanding, TaskStore
 from shared.task import StepMessage
 from shared.testing.clock import ManualClock
 from shared.testing.fakes import QueuePublisher
@@ -52,7 +52,7 @@ class Harness:
         raise RuntimeError("flow did not settle")
 
     def _release_due(self) -> bool:
-        due = [entry for waiting in (True, False) for entry in self.store.due(float("inf"), 1, waiting)]
+        due = [entry for kind in Outstanding for entry in self.store.due(float("inf"), 1, kind)]
         if not due:
             return False
         due_at = []

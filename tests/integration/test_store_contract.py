@@ -14,7 +14,7 @@ import pytest
 from shared.flows import Action, Flow, StepDef
 from shared.saga import Submit, decide
 from shared.states import Phase, StepCode, StepState, StepType, TaskStatus
-from shared.storage import AttemptRecord, TaskConflict, TaskFilter, TaskStore
+from shared.storage import AttemptRecord, Outstanding, TaskConflict, TaskFilter, TaskStore
 from shared.storage.base import Save
 from shared.task import Active, Task, new_task
 
@@ -432,22 +432,42 @@ class TestTaskStoreContract:
         done, _ = store.create(submitted("finished", created_at=NOW + 4), NOW + 4)
         store.save(replace(done, status=TaskStatus.SUCCESS, active=None, ended_at=NOW + 5), NOW + 5)
 
-        assert store.due(NOW + 5, 100, waiting=True) == []
-        assert store.due(NOW + 10, 100, waiting=True) == [("early", 3, Phase.WAITING)]
-        assert store.due(NOW + 20, 100, waiting=True) == [("early", 3, Phase.WAITING), ("on-time", 3, Phase.WAITING)]
-        assert store.due(NOW + 20, 100, waiting=False) == []
-        # Waiting messages and sent ones (queued, running) are asked for apart.
-        assert [t for t, _, _ in store.due(NOW + 10_000, 100, waiting=True)] == ["early", "on-time", "later"]
-        assert store.due(NOW + 10_000, 100, waiting=False) == [("queued", 1, Phase.QUEUED)]
-        assert len(store.due(NOW + 10_000, 2, waiting=True)) == 2
+        assert store.due(NOW + 5, 100, Outstanding.LATER) == []
+        assert store.due(NOW + 10, 100, Outstanding.LATER) == [("early", 3, Phase.WAITING)]
+        assert store.due(NOW + 20, 100, Outstanding.LATER) == [("early", 3, Phase.WAITING), ("on-time", 3, Phase.WAITING)]
+        assert store.due(NOW + 20, 100, Outstanding.SENT) == []
+        # Each kind is asked for apart: waiting later steps, sent messages, a batch's first steps.
+        assert [t for t, _, _ in store.due(NOW + 10_000, 100, Outstanding.LATER)] == ["early", "on-time", "later"]
+        assert store.due(NOW + 10_000, 100, Outstanding.SENT) == [("queued", 1, Phase.QUEUED)]
+        assert store.due(NOW + 10_000, 100, Outstanding.FIRST) == []
+        assert len(store.due(NOW + 10_000, 2, Outstanding.LATER)) == 2
 
         # A message moved past its due time is no longer due; a finished task never is.
         early = store.get("early")
         assert early is not None and early.active is not None
         store.save(replace(early, active=replace(early.active, phase=Phase.QUEUED, due_at=NOW + 500)), NOW + 11)
-        assert "early" not in [t for waiting in (True, False) for t, _, _ in store.due(NOW + 100, 100, waiting)]
-        assert store.due(NOW + 10_000, 100, waiting=False) == [("queued", 1, Phase.QUEUED), ("early", 3, Phase.QUEUED)]
-        assert "finished" not in [t for waiting in (True, False) for t, _, _ in store.due(NOW + 10_000, 100, waiting)]
+        assert "early" not in [t for kind in Outstanding for t, _, _ in store.due(NOW + 100, 100, kind)]
+        assert store.due(NOW + 10_000, 100, Outstanding.SENT) == [("queued", 1, Phase.QUEUED), ("early", 3, Phase.QUEUED)]
+        assert "finished" not in [t for kind in Outstanding for t, _, _ in store.due(NOW + 10_000, 100, kind)]
+
+    def test_a_batch_s_first_steps_are_due_apart_flow_by_flow(self, store: TaskStore) -> None:
+        def first(task_id: str, flow: str, created_at: float) -> Task:
+            of_flow = FLOW.model_copy(update={"name": flow})
+            return decide(new_task(task_id, of_flow, {}, created_at), Submit(deferred=True), created_at).task
+
+        store.create_many([first("b1", "beta", NOW + 1), first("a1", "alpha", NOW + 2), first("b2", "beta", NOW + 3)], NOW)
+        store.create(waiting("retry", due_at=NOW), NOW)
+        assert store.waiting_flows() == ["alpha", "beta"]
+        assert store.due(NOW + 10, 100, Outstanding.FIRST) == [
+            ("b1", 1, Phase.WAITING), ("a1", 1, Phase.WAITING), ("b2", 1, Phase.WAITING),
+        ]
+        assert [t for t, _, _ in store.due(NOW + 10, 100, Outstanding.FIRST, "beta")] == ["b1", "b2"]
+        assert [t for t, _, _ in store.due(NOW + 10, 1, Outstanding.FIRST, "beta")] == ["b1"]
+        assert [t for t, _, _ in store.due(NOW + 10, 100, Outstanding.LATER)] == ["retry"]
+        published = store.get("a1")
+        assert published is not None and published.active is not None
+        store.save(replace(published, active=replace(published.active, phase=Phase.QUEUED, due_at=NOW + 60)), NOW + 5)
+        assert store.waiting_flows() == ["beta"]
 
     def test_ping(self, store: TaskStore) -> None:
         store.ping()

@@ -117,6 +117,40 @@ def test_a_sweep_that_cannot_store_a_batch_s_release_raises_and_leaves_it_waitin
     assert {store.get(task.task_id).active.phase for task, _ in stored} == {Phase.WAITING}  # type: ignore[union-attr]
 
 
+TWO_MODULES = parse_flows(
+    {
+        "flows": {
+            "one": {"steps": [{"normal": {"module": "m", "command": "c", "timeout": 10}}]},
+            "two": {"steps": [{"normal": {"module": "n", "command": "c", "timeout": 10}}]},
+        }
+    }
+)
+
+
+def test_a_batch_s_first_steps_are_published_as_far_as_their_queue_has_room(store: TaskStore) -> None:  # noqa: F811
+    clock, publisher = ManualClock(), QueuePublisher()
+    service = TaskService(store, publisher, TWO_MODULES, clock=clock, timing=TIMING)
+    ones = [t.task_id for t, _ in service.submit_many([Submission("one", {"n": i}) for i in range(30)])]
+    twos = [t.task_id for t, _ in service.submit_many([Submission("two", {"n": i}) for i in range(5)])]
+    room = {"m": 10, "n": 100}
+    assert sweep_tasks(service, clock(), room=lambda: room) == 15
+    # Ten of module m's (the oldest; here all came due at once), and all of n's.
+    published = {m.task_id for m in publisher.messages}
+    assert len(published & set(ones)) == 10 and set(twos) <= published
+    # The others wait in the store, unwritten.
+    assert {store.get(i).version for i in set(ones) - published} == {1}  # type: ignore[union-attr]
+    room["m"] = 0  # its queue full
+    assert sweep_tasks(service, clock(), room=lambda: room) == 0
+    room["m"] = 100
+
+    def unknown() -> dict[str, int]:
+        raise OSError("broker unreachable")
+
+    # Without an answer about the queues, they are published as they come due.
+    assert sweep_tasks(service, clock(), room=unknown) == 20
+    assert sorted(m.task_id for m in publisher.messages) == sorted(ones + twos)
+
+
 def test_a_batch_s_first_steps_lost_between_the_sweep_s_commit_and_its_publish_are_published_again(
     store: TaskStore,  # noqa: F811
 ) -> None:

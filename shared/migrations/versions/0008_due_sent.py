@@ -1,9 +1,10 @@
-"""An index of the messages already sent (queued or running) by when they are due
+"""The due messages in three indexes: sent ones, later ones, a batch's first steps by flow
 
-A batch's first steps wait in af_tasks until the scheduler publishes them, and
-can be due by the hundred thousand. The sweep asks for the other due messages
-(expiries, requeues) apart, through this index, so such a backlog does not hold
-them up behind it.
+A batch's first steps wait in af_tasks until the scheduler publishes them, as
+their queues make room, and can be due by the hundred thousand. The sweep asks
+for each kind apart, each through an index of its own: the messages already
+sent (expiries, requeues), the later steps waiting (retries, polls), and the
+first steps of each flow. A backlog of one kind never holds up another.
 
 Revision ID: 0008
 Revises: 0007
@@ -20,12 +21,19 @@ down_revision = "0007"
 branch_labels = None
 depends_on = None
 
-SENT = sa.text("active_phase <> 0")
+INDEXES = {
+    "ix_af_tasks_due_sent": (["due_at"], "active_phase <> 0"),
+    "ix_af_tasks_due_later": (["due_at"], "active_phase = 0 AND active_seq <> 1"),
+    "ix_af_tasks_due_first": (["flow", "due_at"], "active_phase = 0 AND active_seq = 1"),
+}
 
 
 def upgrade() -> None:
-    op.create_index("ix_af_tasks_due_sent", "af_tasks", ["due_at"], postgresql_where=SENT, sqlite_where=SENT)
+    for name, (columns, where) in INDEXES.items():
+        condition = sa.text(where)
+        op.create_index(name, "af_tasks", columns, postgresql_where=condition, sqlite_where=condition)
 
 
 def downgrade() -> None:
-    op.drop_index("ix_af_tasks_due_sent", table_name="af_tasks")
+    for name in INDEXES:
+        op.drop_index(name, table_name="af_tasks")

@@ -27,6 +27,7 @@ from shared.module import Module, PermanentError, StepContext
 from shared.runtime import Runtime
 from shared.scheduler.sweeps import sweep_tasks
 from shared.states import StepType
+from shared.storage import Outstanding
 from shared.task import StepMessage
 from shared.testing import ManualClock
 
@@ -284,7 +285,7 @@ class Worker:
         for _ in range(limit):
             if self.step() is not None:
                 continue
-            if not any(self.runtime.service.due(float("inf"), 1, waiting) for waiting in (True, False)):
+            if not any(self.runtime.service.due(float("inf"), 1, kind) for kind in Outstanding):
                 return self.deliveries[start:]
             self.clock.advance(tick)
             sweep_tasks(self.runtime.service, self.clock.now)

@@ -14,6 +14,7 @@ from shared.module import StepContext
 from shared.runtime import Runtime
 from shared.scheduler.sweeps import sweep_tasks
 from shared.states import Phase, StepState, StepType, TaskStatus
+from shared.storage import Outstanding
 from shared.task import Alarm, StepMessage
 from shared.testing import ManualClock, wait_for
 from tests.unit.redis.support import (
@@ -182,9 +183,9 @@ def test_a_task_submitted_while_redis_is_down_is_published_by_the_sweep_once_it_
     fake_server.connected = True
     clock.advance(settings.publish_retry)
     outstanding = [(task.task_id, stored.active.seq, Phase.QUEUED)]
-    assert runtime.service.due(clock.now, 10, waiting=False) == outstanding
+    assert runtime.service.due(clock.now, 10, Outstanding.SENT) == outstanding
     assert sweep_tasks(runtime.service, clock.now) == 0
-    assert runtime.service.due(clock.now, 10, waiting=False) == outstanding
+    assert runtime.service.due(clock.now, 10, Outstanding.SENT) == outstanding
     assert message_keys(redis_client) == set()
 
     wait_for(publisher.healthy, 2.0, "the publisher's pause after a failure to end")
