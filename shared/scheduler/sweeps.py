@@ -27,7 +27,8 @@ def sweep_tasks(
 
     Queued messages that nobody started are published again and running ones
     past their deadline count as failed, one by one; then waiting messages are
-    published, those of a pass together (one commit, one publish). With
+    published in groups (one commit, one publish): later steps', then a batch's
+    first steps, flow by flow. With
     ``until`` (on ``time.monotonic``) the pass stops there, after one thing at
     least, and leaves the rest due for the next one: under load each takes a
     write and a publish, and 500 of them can outlast the scheduler's lease.
