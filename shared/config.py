@@ -57,8 +57,10 @@ class Settings(BaseSettings):
     # expire_grace counts as failed; a failed publish is retried after publish_retry.
     requeue_after: float = 30.0
     # A batch's first steps are published while their module's queue holds fewer
-    # than this many messages waiting; the rest wait in the database.
-    release_ahead: int = Field(default=2000, ge=1)
+    # than this many messages waiting; the rest wait in the database. Keep it
+    # under what the module's workers start in ten times requeue_after: a message
+    # still waiting in its queue after that is published again.
+    release_ahead: int = Field(default=200, ge=2)
     expire_grace: float = 15.0
     publish_retry: float = 2.0
     # 0 (default): a consumer records each attempt's start, then its outcome (two

@@ -199,9 +199,14 @@ class Runtime:
         return frozenset(m for m, depth in self._depths().items() if depth > 0)
 
     def queue_room(self) -> dict[str, int]:
-        """How many more of a batch's first steps each push module's queue may be given now."""
+        """How many more of a batch's first steps each push module's queue may be given now.
+
+        None until half of ``release_ahead`` is free: the steps then go in groups
+        of a useful size, not a few at every pass as the queue drains.
+        """
         ahead = self.settings.release_ahead
-        return {m: max(0, ahead - depth) for m, depth in self._depths().items()}
+        room = {m: max(0, ahead - depth) for m, depth in self._depths().items()}
+        return {m: free if free * 2 >= ahead else 0 for m, free in room.items()}
 
     def _depths(self) -> dict[str, int]:
         queues = {queue_name(m): m for m in sorted(self.flows.push_module_names())}

@@ -41,7 +41,7 @@ def sweep_tasks(
     a batch's first steps are published flow by flow, oldest first, as far as
     their module's queue has room, and the rest wait in the database, where a
     backlog costs no write until it is published. Without it, or without an
-    answer, they are all published when due.
+    answer, they wait (a broker that cannot count its queues: published when due).
     """
     changed = left = 0
     can_publish = service.publisher.healthy()
@@ -78,21 +78,34 @@ def sweep_tasks(
         later = service.due(now, limit, Outstanding.LATER)
         if later:
             changed += service.publish_due([(task_id, seq) for task_id, seq, _ in later])
-        changed += _release_first_steps(service, now, limit, until, room)
+        changed += _release_first_steps(service, now, limit, until, room, changed)
     return changed
 
 
 def _release_first_steps(
-    service: TaskService, now: float, limit: int, until: float | None, room: Callable[[], Mapping[str, int]] | None
+    service: TaskService,
+    now: float,
+    limit: int,
+    until: float | None,
+    room: Callable[[], Mapping[str, int]] | None,
+    done: int,
 ) -> int:
-    """Publish a batch's first steps, flow by flow, as far as their module's queue has room."""
+    """Publish a batch's first steps, flow by flow (the oldest waiting first), as far as
+    their module's queue has room; a module not counted (pull-mode, or of a flow no
+    longer declared) takes them all."""
     flows = service.waiting_flows()
     if not flows:
         return 0
-    free = dict(_room(room) or {})
+    try:
+        free = dict(room()) if room is not None else {}
+    except NotImplementedError:
+        free = {}  # a broker whose queues cannot be counted: not paced
+    except Exception as exc:  # the broker did not answer: the steps wait in the store, safe
+        log.warning("sweep: queue depths unknown, a batch's first steps wait: %s", exc)
+        return 0
     released = 0
     for flow, module in flows:
-        if released and until is not None and time.monotonic() >= until:
+        if (released or done) and until is not None and time.monotonic() >= until:
             break
         count = min(limit, free[module]) if module in free else limit
         due = service.due(now, count, Outstanding.FIRST, flow) if count > 0 else []
@@ -101,16 +114,6 @@ def _release_first_steps(
             if module in free:
                 free[module] -= len(due)
     return released
-
-
-def _room(room: Callable[[], Mapping[str, int]] | None) -> Mapping[str, int] | None:
-    if room is None:
-        return None
-    try:
-        return room()
-    except Exception as exc:  # no answer: publish them all, as without the check
-        log.warning("sweep: queue depths unknown, a batch's first steps are published as they come due: %s", exc)
-        return None
 
 
 def _backlogged(backlogged: Callable[[], frozenset[str]] | None) -> frozenset[str]:

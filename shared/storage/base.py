@@ -307,7 +307,8 @@ class TaskStore(abc.ABC):
 
     @abc.abstractmethod
     def waiting_flows(self) -> builtins.list[str]:
-        """The flows with a batch's first steps waiting to be published (Outstanding.FIRST)."""
+        """The flows with a batch's first steps waiting to be published (Outstanding.FIRST),
+        the flow of the oldest first."""
 
     @abc.abstractmethod
     def ping(self) -> None:

@@ -157,10 +157,11 @@ class InMemoryStore(TaskStore):
         return [(task_id, seq, phase) for _, task_id, seq, phase in ready[:limit]]
 
     def waiting_flows(self) -> builtins.list[str]:
-        return sorted({
-            t.flow for t in list(self._tasks.values())
-            if t.active is not None and Outstanding.FIRST.holds(t.active.phase, t.active.seq)
-        })
+        oldest: dict[str, float] = {}
+        for t in list(self._tasks.values()):
+            if t.active is not None and t.active.due_at is not None and Outstanding.FIRST.holds(t.active.phase, t.active.seq):
+                oldest[t.flow] = min(oldest.get(t.flow, t.active.due_at), t.active.due_at)
+        return sorted(oldest, key=lambda flow: (oldest[flow], flow))
 
     def ping(self) -> None:
         return None

@@ -67,7 +67,6 @@ tasks = Table(
     Index("ix_af_tasks_flow_created", "flow", "created_at"),
     Index("ix_af_tasks_user_created", "user_id", "created_at"),
     Index("ix_af_tasks_status_created", "status", "created_at"),
-    Index("ix_af_tasks_due", "due_at"),
     # The due messages of each kind apart (migration 0008).
     Index("ix_af_tasks_due_sent", "due_at", postgresql_where=SENT, sqlite_where=SENT),
     Index("ix_af_tasks_due_later", "due_at", postgresql_where=LATER, sqlite_where=LATER),

@@ -85,7 +85,7 @@ from shared.task import Task
 
 # Each kind of due message through its own partial index (migration 0008).
 DUE_KINDS = {Outstanding.SENT: SENT, Outstanding.LATER: LATER, Outstanding.FIRST: FIRST}
-# The distinct flows of the waiting first steps, one probe of their index per flow
+# The distinct flows of the waiting first steps, oldest first, by probes of their index
 # (a loose index scan: a DISTINCT would read every entry of a backlog).
 WAITING_FLOWS = text(
     "WITH RECURSIVE f(flow) AS ("
@@ -93,7 +93,11 @@ WAITING_FLOWS = text(
     " UNION ALL SELECT (SELECT min(t.flow) FROM af_tasks t"
     " WHERE t.active_phase = 0 AND t.active_seq = 1 AND t.flow > f.flow)"
     " FROM f WHERE f.flow IS NOT NULL"
-    ") SELECT flow FROM f"
+    # Ordered as the index is, or PostgreSQL may look for the oldest along due_at alone.
+    ") SELECT f.flow, (SELECT t.due_at FROM af_tasks t"
+    " WHERE t.active_phase = 0 AND t.active_seq = 1 AND t.flow = f.flow"
+    " ORDER BY t.flow, t.due_at LIMIT 1) AS oldest"
+    " FROM f WHERE f.flow IS NOT NULL ORDER BY oldest, f.flow"
 )
 
 
@@ -247,7 +251,7 @@ class SqlStore(TaskStore):
 
     def waiting_flows(self) -> builtins.list[str]:
         with self.transaction(read_only=True) as conn:
-            return [str(flow) for flow in conn.execute(WAITING_FLOWS).scalars() if flow is not None]
+            return [str(flow) for flow in conn.execute(WAITING_FLOWS).scalars()]
 
     def ping(self) -> None:
         with self.transaction(read_only=True) as conn:

@@ -457,7 +457,7 @@ class TestTaskStoreContract:
 
         store.create_many([first("b1", "beta", NOW + 1), first("a1", "alpha", NOW + 2), first("b2", "beta", NOW + 3)], NOW)
         store.create(waiting("retry", due_at=NOW), NOW)
-        assert store.waiting_flows() == ["alpha", "beta"]
+        assert store.waiting_flows() == ["beta", "alpha"]  # the flow of the oldest first
         assert store.due(NOW + 10, 100, Outstanding.FIRST) == [
             ("b1", 1, Phase.WAITING), ("a1", 1, Phase.WAITING), ("b2", 1, Phase.WAITING),
         ]

@@ -146,9 +146,35 @@ def test_a_batch_s_first_steps_are_published_as_far_as_their_queue_has_room(stor
     def unknown() -> dict[str, int]:
         raise OSError("broker unreachable")
 
-    # Without an answer about the queues, they are published as they come due.
-    assert sweep_tasks(service, clock(), room=unknown) == 20
+    def uncountable() -> dict[str, int]:
+        raise NotImplementedError("no queue depth for this broker")
+
+    # Without an answer about the queues, they wait in the store, safe; a broker
+    # that cannot count its queues gets them as they come due.
+    assert sweep_tasks(service, clock(), room=unknown) == 0
+    assert sweep_tasks(service, clock(), room=uncountable) == 20
     assert sorted(m.task_id for m in publisher.messages) == sorted(ones + twos)
+
+
+def test_flows_sharing_a_module_are_released_oldest_first(store: TaskStore) -> None:  # noqa: F811
+    shared = parse_flows(
+        {
+            "flows": {
+                "a": {"steps": [{"normal": {"module": "m", "command": "c", "timeout": 10}}]},
+                "b": {"steps": [{"normal": {"module": "m", "command": "c", "timeout": 10}}]},
+            }
+        }
+    )
+    clock, publisher = ManualClock(), QueuePublisher()
+    service = TaskService(store, publisher, shared, clock=clock, timing=TIMING)
+    bs = {t.task_id for t, _ in service.submit_many([Submission("b", {"n": i}) for i in range(3)])}
+    clock.advance(1)
+    as_ = {t.task_id for t, _ in service.submit_many([Submission("a", {"n": i}) for i in range(3)])}
+    clock.advance(1)
+    # Flow b's came first: b goes first, though a comes first by name.
+    assert sweep_tasks(service, clock(), room=lambda: {"m": 4}) == 4
+    published = {m.task_id for m in publisher.messages}
+    assert bs <= published and len(published & as_) == 1
 
 
 def test_a_batch_s_first_steps_lost_between_the_sweep_s_commit_and_its_publish_are_published_again(

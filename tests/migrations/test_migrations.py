@@ -107,7 +107,7 @@ def test_comparison_would_notice_a_drift(database: Database) -> None:
     """Guard against a comparison that passes vacuously (e.g. the wrong schema)."""
     upgrade(database.url)
     with database.engine.begin() as conn:
-        conn.exec_driver_sql("DROP INDEX ix_af_tasks_due")
+        conn.exec_driver_sql("DROP INDEX ix_af_tasks_due_sent")
         conn.exec_driver_sql("ALTER TABLE af_attempts ADD COLUMN extra INTEGER")
     kinds = sorted(str(diff[0]) if isinstance(diff, tuple) else "modify" for diff in database.differences())
     assert kinds == ["add_index", "remove_column"]
