@@ -201,7 +201,7 @@ class Runtime:
     def queue_room(self) -> dict[str, int]:
         """How many more of a batch's first steps each push module's queue may be given now.
 
-        None until half of ``release_ahead`` is free: the steps then go in groups
+        Nothing until half of ``release_ahead`` is free: the steps then go in groups
         of a useful size, not a few at every pass as the queue drains.
         """
         ahead = self.settings.release_ahead

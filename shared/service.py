@@ -170,10 +170,11 @@ class TaskService:
         """Store every task of ``batch`` at once; the scheduler publishes their first steps.
 
         The first steps are stored waiting, due at once (``Submit(deferred=True)``),
-        and the scheduler's next sweep publishes them: a batch is answered once it
-        is stored, without a message per task on its way. All or nothing: a refused submission (unknown flow, invalid parameters, an
-        id given twice, an id taken by another flow or user) stores none of them;
-        the error names the submission by its index, ``tasks[i]``.
+        and the scheduler's sweeps publish them: a batch is answered once it is
+        stored, without a message per task on its way. All or nothing: a refused
+        submission (unknown flow, invalid parameters, an id given twice, an id
+        taken by another flow or user) stores none of them; the error names the
+        submission by its index, ``tasks[i]``.
         """
         decisions: builtins.list[Decision] = []
         first_at: dict[str, int] = {}

@@ -223,7 +223,7 @@ def new_task(
 # the object's id, as a Flow declaring parameters is not hashable; the flow is kept
 # beside its steps, so an id is not reused while cached. A reload of flows.yaml makes
 # new Flow objects: the bound keeps the old ones from piling up.
-_FIRST_STEPS_KEPT = 256
+FIRST_STEPS_KEPT = 256
 _first_steps: dict[int, tuple[Flow, tuple[Step, ...]]] = {}
 _shared: dict[int, tuple[Step, ...]] = {}  # the same steps, by their own id
 
@@ -237,7 +237,7 @@ def first_steps(flow: Flow) -> tuple[Step, ...]:
         Step(normal=Command.of(s.normal), rollback=Command.of(s.rollback) if s.rollback else None)
         for s in flow.steps
     )
-    if len(_first_steps) >= _FIRST_STEPS_KEPT:
+    if len(_first_steps) >= FIRST_STEPS_KEPT:
         _first_steps.clear()
         _shared.clear()
     _first_steps[id(flow)] = (flow, steps)

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from shared.states import Phase, StepState, StepType, TaskStatus
-from shared.task import Active, Command, Step, Task, is_first_steps
+from shared.task import FIRST_STEPS_KEPT, Active, Command, Step, Task, is_first_steps
 
 # What orjson would encode and json refuses goes to json instead, which refuses it
 # as before: a type it does not know, or a subclass that may encode itself otherwise.
@@ -90,7 +90,7 @@ def steps_to_json(steps: tuple[Step, ...]) -> list[dict[str, Any]]:
         return cached[1]
     data = [step_to_json(s) for s in steps]
     if is_first_steps(steps):
-        if len(_first_json) >= 256:
+        if len(_first_json) >= FIRST_STEPS_KEPT:
             _first_json.clear()
         _first_json[id(steps)] = (steps, data)
     return data

@@ -24,6 +24,23 @@ FLOWS = parse_flows(
 TIMING = Timing(requeue_after=5, expire_grace=2)
 
 
+def sweep_together(schedulers: list[TaskService], now: float) -> list[int]:
+    """Each scheduler's sweep at ``now``, all started at once on threads of their own: what each changed."""
+    barrier = threading.Barrier(len(schedulers))
+    changed: list[int] = []
+
+    def sweep(service: TaskService) -> None:
+        barrier.wait(timeout=30)
+        changed.append(sweep_tasks(service, now, limit=1000))
+
+    threads = [threading.Thread(target=sweep, args=(s,)) for s in schedulers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return changed
+
+
 def test_concurrent_schedulers_republish_each_lost_message_once(store: TaskStore) -> None:  # noqa: F811
     clock, publisher = ManualClock(), QueuePublisher()
     schedulers = [TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING) for _ in range(4)]
@@ -31,18 +48,7 @@ def test_concurrent_schedulers_republish_each_lost_message_once(store: TaskStore
     publisher.messages.clear()  # as if the broker lost every one of them
     clock.advance(5)
 
-    barrier = threading.Barrier(len(schedulers))
-    changed: list[int] = []
-
-    def sweep(service: TaskService) -> None:
-        barrier.wait(timeout=30)
-        changed.append(sweep_tasks(service, clock(), limit=1000))
-
-    threads = [threading.Thread(target=sweep, args=(s,)) for s in schedulers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    changed = sweep_together(schedulers, clock())
 
     assert sum(changed) == 40
     assert sorted(m.task_id for m in publisher.messages) == sorted(ids)
@@ -65,18 +71,7 @@ def test_concurrent_schedulers_publish_each_first_step_of_a_batch_once_and_toget
     stored = schedulers[0].submit_many([Submission("one", {"n": i}) for i in range(60)])
     assert not publisher.messages and publisher.calls == []  # stored, nothing published
 
-    barrier = threading.Barrier(len(schedulers))
-    changed: list[int] = []
-
-    def sweep(service: TaskService) -> None:
-        barrier.wait(timeout=30)
-        changed.append(sweep_tasks(service, clock(), limit=1000))
-
-    threads = [threading.Thread(target=sweep, args=(s,)) for s in schedulers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    changed = sweep_together(schedulers, clock())
 
     assert sum(changed) == 60
     assert sorted(m.task_id for m in publisher.messages) == sorted(task.task_id for task, _ in stored)
