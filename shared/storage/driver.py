@@ -51,15 +51,22 @@ class DriverStatement:
     primary key, or a v1 claim in its index's order), prepared on each connection
     so that PostgreSQL may plan it once there instead of on every execution. No
     other statement is prepared (:func:`prepare_on_request`).
+
+    ``binary``: its parameters sent in PostgreSQL's binary format, for arrays
+    (:func:`shared.storage.statements.batch_rows`): as text, psycopg quotes and
+    escapes each element of an array, a JSON document's every quote by a regular
+    expression, which cost more than the insert.
     """
 
-    def __init__(self, statement: ClauseElement, engine: Engine, prepared: bool = False) -> None:
+    def __init__(self, statement: ClauseElement, engine: Engine, prepared: bool = False, binary: bool = False) -> None:
         self.prepared = prepared
         dialect = engine.dialect
         compiled = cast(SQLCompiler, statement.compile(dialect=dialect))
         # Bytes, and only the parameters the statement names: psycopg then reuses
         # its parse of the query (it caches none of a str, nor past 50 parameters).
         self.sql = compiled.string.encode()
+        if binary:
+            self.sql = re.sub(rb"%\((\w+)\)s", rb"%(\1)b", self.sql)
         self._names: list[tuple[str, Callable[[Any], Any] | None]] = []
         # The statement's own literals (``status == 1``) became parameters with their value.
         self._fixed: dict[str, Any] = {}
@@ -491,20 +498,16 @@ def autocommit_cursor(kept_connections: KeptConnections) -> Iterator[psycopg.Cur
         kept_connections.give_back(kept)
 
 
-def by_id(row: Mapping[str, Any]) -> str:
-    """The order a batch's rows are inserted in: two batches that share ids then wait
-    for each other's commit instead of deadlocking (concurrent replays of one request)."""
-    return str(row["task_id"])
+def batch_transaction(
+    cursor: psycopg.Cursor[dict[str, Any]], rows: Sequence[object], each: bool
+) -> AbstractContextManager[Any]:
+    """A transaction around a batch's statements, where the batch is all or none.
 
-
-def batch_transaction(cursor: psycopg.Cursor[dict[str, Any]], rows: Sequence[object]) -> AbstractContextManager[Any]:
-    """One transaction around the statements of a batch of ``rows``.
-
-    A batch of one is a lone statement, atomic on its own: BEGIN and COMMIT would
-    triple its round trips, and concurrent single creates come here one at a time
-    whenever the API is not busy (oss_api.coalesce).
+    Without one the batch's insert commits on its own: a batch of one, or one whose
+    tasks are answered ``each`` for itself (concurrent single creates, coalesced by
+    the API), needs no BEGIN and COMMIT, which would triple its round trips.
     """
-    return cursor.connection.transaction() if len(rows) > 1 else nullcontext()
+    return cursor.connection.transaction() if len(rows) > 1 and not each else nullcontext()
 
 
 def insert_new(
@@ -513,15 +516,18 @@ def insert_new(
     read: DriverStatement,
     rows: Sequence[Mapping[str, Any]],
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """Run ``insert``, one row's INSERT … ON CONFLICT DO NOTHING RETURNING task_id, for each of ``rows``.
+    """Run ``insert``, an INSERT … ON CONFLICT DO NOTHING RETURNING task_id of the batch's rows
+    as arrays (:func:`shared.storage.statements.batch_rows`), on ``rows``.
 
-    In a pipeline: the statement is parsed once and the rows go in one round trip.
     Returns the ids inserted, each with the other columns the insert returned,
     and the stored rows of the others (replays; or pull tasks of an unregistered
     type, which a batch of any size may hold), ``read`` by ``b_task_id`` in one
     more round trip.
     """
-    inserted = {returned.pop("task_id"): returned for returned in _each_row(cursor, insert, rows)}
+    if not rows:
+        return {}, []
+    arrays = {name: [row[name] for row in rows] for name in rows[0]}
+    inserted = {returned.pop("task_id"): returned for returned in insert.run(cursor, arrays).fetchall()}
     skipped = [{"b_task_id": row["task_id"]} for row in rows if row["task_id"] not in inserted]
     return inserted, _each_row(cursor, read, skipped) if skipped else []
 

@@ -62,7 +62,6 @@ from shared.storage.driver import (
     answers,
     autocommit_cursor,
     batch_transaction,
-    by_id,
     count_together,
     insert_new,
     prepare_on_request,
@@ -157,7 +156,6 @@ class SqlStore(TaskStore):
 
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
         rows = [task_to_row(task, now) | {"version": CREATED_VERSION} for task in batch]
-        rows.sort(key=by_id)
         with self.transaction() as conn:
             new = conn.execute(CREATE_NEW_TASKS[self.engine.dialect.name], rows).scalars()
             inserted: dict[str, dict[str, Any]] = {task_id: {} for task_id in new}  # nothing filled in
@@ -448,7 +446,7 @@ class PostgresStore(SqlStore):
         self._get = DriverStatement(GET_TASK, self.engine, prepared=True)
         self._create = DriverStatement(CREATE_TASK.values(CREATE_VALUES), self.engine)
         self._save = {kind: DriverStatement(s, self.engine, prepared=True) for kind, s in SAVE_IN_ONE_STATEMENT.items()}
-        self._create_new = DriverStatement(CREATE_NEW_TASKS["postgresql"].values(CREATE_VALUES), self.engine)
+        self._create_new = DriverStatement(CREATE_NEW_TASKS["postgresql"], self.engine, prepared=True, binary=True)
 
     def _make_engine(self, url: str) -> Engine:
         # Connections are kept, not opened per burst: a new PostgreSQL connection costs
@@ -477,8 +475,7 @@ class PostgresStore(SqlStore):
 
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
         rows = [task_to_row(task, now) | {"version": CREATED_VERSION} for task in batch]
-        rows.sort(key=by_id)
-        with autocommit_cursor(self.connections) as cursor, batch_transaction(cursor, rows):
+        with autocommit_cursor(self.connections) as cursor, batch_transaction(cursor, rows, each):
             inserted, found = insert_new(cursor, self._create_new, self._get, rows)
             return batch_created(batch, inserted, map(task_from_row, found), same_request, each)
 

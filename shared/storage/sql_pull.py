@@ -28,22 +28,21 @@ from shared.storage.driver import (
     KeptConnections,
     autocommit_cursor,
     batch_transaction,
-    by_id,
     insert_new,
 )
 from shared.storage.schema import pull_tasks, task_types
 from shared.storage.sql import PostgresStore, SqlStore
+from shared.storage.statements import batch_rows
 
 if TYPE_CHECKING:
     from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
     from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
 
 
-def _create_statement(insert_of: Any = insert, returning: bool = True, skip_taken: bool = False) -> Any:
+def _create_statement(returning: bool = True) -> Any:
     """INSERT … SELECT: the new row's own values as parameters, the type's settings from its row.
 
-    It returns the settings (and with ``skip_taken`` the id: an id already stored is
-    skipped, as a batch needs); without ``returning``, for many rows at once
+    It returns the settings; without ``returning``, for many rows at once
     (executemany), its row count says how many found their type.
     """
     columns = [c.name for c in pull_tasks.columns]
@@ -51,11 +50,24 @@ def _create_statement(insert_of: Any = insert, returning: bool = True, skip_take
         task_types.c[c] if c in TYPE_SETTINGS else bindparam(c, type_=pull_tasks.c[c].type) for c in columns
     ]
     chosen = select(*values).where(task_types.c.task_type == bindparam("task_type"))
-    statement = insert_of(pull_tasks).from_select(columns, chosen)
-    if skip_taken:
-        statement = statement.on_conflict_do_nothing(index_elements=[pull_tasks.c.task_id])
-    returned = (["task_id"] if skip_taken else []) + list(TYPE_SETTINGS)
-    return statement.returning(*(pull_tasks.c[c] for c in returned)) if returning else statement
+    statement = insert(pull_tasks).from_select(columns, chosen)
+    return statement.returning(*(pull_tasks.c[c] for c in TYPE_SETTINGS)) if returning else statement
+
+
+def _create_new_statement() -> Any:
+    """A batch's insert (PostgreSQL): the rows' own values as arrays, each row's type's settings
+    from its row, by id (as :data:`shared.storage.statements.CREATE_NEW_TASKS`); an id already
+    stored, or of a type not registered, is skipped. It returns the id and the settings."""
+    columns = [c.name for c in pull_tasks.columns]
+    rows = batch_rows(c for c in pull_tasks.columns if c.name not in TYPE_SETTINGS)
+    values = [task_types.c[c] if c in TYPE_SETTINGS else rows.c[c] for c in columns]
+    chosen = select(*values).join_from(rows, task_types, task_types.c.task_type == rows.c.task_type)
+    return (
+        postgresql.insert(pull_tasks)
+        .from_select(columns, chosen.order_by(rows.c.task_id))
+        .on_conflict_do_nothing(index_elements=[pull_tasks.c.task_id])
+        .returning(*(pull_tasks.c[c] for c in ("task_id", *TYPE_SETTINGS)))
+    )
 
 
 def _hold_statement(skip_locked: bool, limit_of_type: bool) -> Any:
@@ -107,12 +119,11 @@ GET_PULL_TASK = select(pull_tasks).where(pull_tasks.c.task_id == bindparam("b_ta
 GET_TASK_TYPE = select(task_types).where(task_types.c.task_type == bindparam("b_task_type"))
 GET_TASK_TYPES = select(task_types).where(task_types.c.task_type.in_(bindparam("b_task_types", expanding=True)))
 GET_PULL_TASKS = select(pull_tasks).where(pull_tasks.c.task_id.in_(bindparam("b_task_ids", expanding=True)))
-# A batch's insert, row by row in a pipeline (PostgreSQL): each row with its type's settings,
-# read by the statement, not before it (a round trip per batch of coalesced create_task
-# calls, benchmarks/README.md); an id already stored is skipped. It returns the id and the settings.
-CREATE_NEW_PULL_TASK = _create_statement(postgresql.insert, skip_taken=True)
+# A batch's insert (PostgreSQL), each row with its type's settings read by the statement, not
+# before it (a round trip per batch of coalesced create_task calls, benchmarks/README.md).
+CREATE_NEW_PULL_TASKS = _create_new_statement()
 # SQLite's: the settings given, read in the same transaction; an id already stored is skipped.
-CREATE_NEW_PULL_TASKS = (
+CREATE_NEW_PULL_TASKS_SQLITE = (
     sqlite.insert(pull_tasks).on_conflict_do_nothing(index_elements=[pull_tasks.c.task_id]).returning(pull_tasks.c.task_id)
 )
 # A report (set_task), the scheduler's expiry: every column but the key, if the version still matches.
@@ -151,7 +162,7 @@ class SqlPullStore(PullStore):
         if postgres:
             self._driver = {
                 "create": DriverStatement(CREATE_PULL_TASK, sql.engine),
-                "create new": DriverStatement(CREATE_NEW_PULL_TASK, sql.engine),
+                "create new": DriverStatement(CREATE_NEW_PULL_TASKS, sql.engine, prepared=True, binary=True),
                 "get": DriverStatement(GET_PULL_TASK, sql.engine, prepared=True),
                 "get type": DriverStatement(GET_TASK_TYPE, sql.engine, prepared=True),
                 "save": DriverStatement(SAVE_PULL_TASK, sql.engine, prepared=True),
@@ -236,9 +247,8 @@ class SqlPullStore(PullStore):
 
     def create_many(self, batch: Sequence[PullTask], each: bool = False) -> builtins.list[Stored[PullTask]]:
         rows = [create_row(task) for task in batch]
-        rows.sort(key=by_id)
         if self._driver is not None:
-            with autocommit_cursor(self._connections()) as cursor, batch_transaction(cursor, rows):
+            with autocommit_cursor(self._connections()) as cursor, batch_transaction(cursor, rows, each):
                 inserted, stored = insert_new(cursor, self._driver["create new"], self._driver["get"], rows)
                 found = [_task(row) for row in stored]
                 return batch_created(batch, inserted, found, same_pull_request, each)
@@ -246,7 +256,7 @@ class SqlPullStore(PullStore):
             names = sorted({task.task_type for task in batch})
             settings = {r.task_type: type_settings(_type(r)) for r in conn.execute(GET_TASK_TYPES, {"b_task_types": names})}
             typed = [row | settings[row["task_type"]] for row in rows if row["task_type"] in settings]
-            new = set(conn.execute(CREATE_NEW_PULL_TASKS, typed).scalars()) if typed else set()
+            new = set(conn.execute(CREATE_NEW_PULL_TASKS_SQLITE, typed).scalars()) if typed else set()
             inserted = {row["task_id"]: settings[row["task_type"]] for row in typed if row["task_id"] in new}
             taken = [task.task_id for task in batch if task.task_id not in inserted]
             found = [_task(row) for row in conn.execute(GET_PULL_TASKS, {"b_task_ids": taken})] if taken else []

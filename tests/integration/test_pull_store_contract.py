@@ -94,6 +94,14 @@ def test_create_many_each_answers_a_conflict_alone_and_stores_the_others(typed: 
     assert alone == (stored(a_task("m2")), True) and typed.get("m2") == alone[0]  # type: ignore[index]
 
 
+def test_create_many_keeps_every_value_as_given(typed: PullStore) -> None:
+    # PostgreSQL takes a batch's columns as arrays: no value may be read back otherwise than given.
+    content = '{"q": "say \\"hi\\"", "set": "{a,b}", "u": "é 中文 🙂", "n": null}'
+    batch = [replace(a_task(f"c{i}", user='o"dd, {user}'), task_content=content, task_stage="") for i in range(3)]
+    assert typed.create_many(batch, each=True) == [(stored(t), True) for t in batch]
+    assert [typed.get(t.task_id) for t in batch] == [stored(t) for t in batch]
+
+
 def test_create_many_takes_each_type_s_settings_and_refuses_an_unknown_type(typed: PullStore) -> None:
     typed.save_type(TaskType(task_type="audio", max_retry_num=7, max_retry_interval=5, max_processing_time=9), NOW)
     batch = [a_task("v1"), a_task("a1", task_type="audio"), a_task("x1", task_type="nope"), a_task("v2")]

@@ -188,6 +188,21 @@ class TestTaskStoreContract:
         with pytest.raises(TaskConflict):
             store.create_many([submitted("one", user_id="bob")], NOW)
 
+    def test_create_many_keeps_every_value_as_given(self, store: TaskStore) -> None:
+        # PostgreSQL takes a batch's columns as arrays: no value may be read back otherwise than given.
+        awkward = {
+            "quote": 'say "hi"\\n',
+            "braces": "{a,b} (c) 'd'",
+            "nested": [[1, 2], [], [["deep"]]],
+            "unicode": "é 中文 🙂",
+            "none": None,
+            "numbers": [0, -1, 1.5, 2**53],
+            "flag": False,
+        }
+        batch = [submitted(f"a{i}", user_id=None if i else 'o"dd, {user}', parameters={"i": i, **awkward}) for i in range(3)]
+        assert store.create_many(batch, NOW, each=True) == [(replace(t, version=1), True) for t in batch]
+        assert [store.get(t.task_id) for t in batch] == [replace(t, version=1) for t in batch]
+
     def test_batches_of_the_same_ids_in_opposite_orders_wait_for_each_other_instead_of_deadlocking(
         self, store: TaskStore
     ) -> None:
