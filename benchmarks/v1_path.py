@@ -5,7 +5,9 @@ Creates N tasks of a registered type through ``PullService.create`` (create_task
 leases them one per call through ``PullService.hold`` (hold_tasks, schedule_limit
 1) and reports each done through ``PullService.set`` (set_task), then creates N
 more in batches of ``--batch`` through ``PullService.create_many`` (create_tasks,
-its figures per task): the service and
+its figures per task) and in batches of ``--coalesced`` through
+``PullService.create_each`` (concurrent create_task calls, which the API stores
+together, per task): the service and
 the store with PostgreSQL's round trips, not uvicorn, FastAPI or the body checks
 (``v1_api.py`` measures those too, over HTTP).
 
@@ -26,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -48,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=1000, help="calls of each endpoint measured (default 1000)")
     p.add_argument("--batch", type=int, default=500, help="tasks per create_many call (default 500)")
+    p.add_argument("--coalesced", type=int, default=3,
+                   help="tasks per create_each call, as concurrent create_task calls stored together (default 3)")
     p.add_argument("--postgres-admin-url", default=None, help="where to create the run's database")
     args = p.parse_args(argv)
     backend = Backend("postgres")
@@ -77,15 +82,18 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{calls} holds leased {len(held)} tasks")
             done = iter(held)
             timed("set", lambda: service.set(next(done), Report(PullStatus.SUCCESS)))
-            batches = max(1, calls // args.batch)
-            batch = [NewPullTask(TASK_TYPE, "{}") for _ in range(args.batch)]
-            cpu, wall = time.process_time(), time.perf_counter()
-            for _ in range(batches):
-                service.create_many(batch)
-            per_task = 1000 / (batches * args.batch)
             figures = {k: v * 1000 / calls for k, v in figures.items()}
-            figures["batch_cpu_ms"] = (time.process_time() - cpu) * per_task
-            figures["batch_wall_ms"] = (time.perf_counter() - wall) * per_task
+
+            def per_task(name: str, size: int, create: Callable[[list[NewPullTask]], object]) -> None:
+                batches = [[NewPullTask(TASK_TYPE, "{}") for _ in range(size)] for _ in range(max(1, calls // size))]
+                cpu, wall = time.process_time(), time.perf_counter()
+                for batch in batches:
+                    create(batch)
+                figures[name + "_cpu_ms"] = (time.process_time() - cpu) * 1000 / (len(batches) * size)
+                figures[name + "_wall_ms"] = (time.perf_counter() - wall) * 1000 / (len(batches) * size)
+
+            per_task("batch", args.batch, service.create_many)  # create_tasks: all or none
+            per_task("each", args.coalesced, service.create_each)  # create_task calls coalesced by the API
             return {k: round(v, 3) for k, v in figures.items()}
 
         run(WARM_UP)
@@ -99,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                       for name in ("create", "hold", "set")))
     print(f"create_many in batches of {args.batch}, per task: {figures['batch_cpu_ms']} ms CPU "
           f"({figures['batch_wall_ms']} wall)")
+    print(f"create_each in batches of {args.coalesced}, per task: {figures['each_cpu_ms']} ms CPU "
+          f"({figures['each_wall_ms']} wall)")
     print("RESULT " + json.dumps(result))
     return 0
 
