@@ -165,7 +165,7 @@ def _task_routes(runtime: Runtime) -> APIRouter:
         return runtime.service
 
     Service = Annotated[TaskService, Depends(service)]
-    # Submits that arrive together are stored in one transaction (oss_api.coalesce).
+    # Submits that arrive together are stored in one commit (oss_api.coalesce).
     submits: Coalescer[Submission, tuple[Task, bool]] = Coalescer(
         "submit", lambda batch: runtime.service.submit_each(batch), MAX_BATCH
     )

@@ -1,4 +1,4 @@
-"""Concurrent requests of one kind, stored together: one transaction and one thread hop per batch.
+"""Concurrent requests of one kind, stored together: one commit and one thread hop per batch.
 
 A submit or create_task is one INSERT whose commit waits for the disk, and
 PostgreSQL spends most of such a statement's CPU on that flush. The requests

@@ -358,7 +358,7 @@ def v1_routes(runtime: Runtime) -> APIRouter:
             raise Forbidden("cannot create tasks for another user")
         return who.user or ""
 
-    # create_task calls that arrive together are stored in one transaction (oss_api.coalesce).
+    # create_task calls that arrive together are stored in one commit (oss_api.coalesce).
     creates: Coalescer[NewPullTask, tuple[PullTask, bool]] = Coalescer(
         "create_task", lambda batch: service().create_each(batch), MAX_BATCH
     )

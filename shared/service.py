@@ -196,7 +196,7 @@ class TaskService:
         return stored
 
     def submit_each(self, batch: Sequence[Submission]) -> builtins.list[tuple[Task, bool] | Exception]:
-        """Concurrent single submits (the API's, coalesced), stored in one transaction.
+        """Concurrent single submits (the API's, coalesced), stored together, in one commit.
 
         Each is answered as :meth:`submit` would answer it alone: the task as
         stored and whether it is new, or the error that refused it (unknown flow,

@@ -132,7 +132,7 @@ class PullService:
             raise at_index(_unknown(exc.task_type), first_at[exc.task_id]) from None
 
     def create_each(self, batch: Sequence[NewPullTask]) -> list[tuple[PullTask, bool] | Exception]:
-        """Concurrent create_task calls (the API's, coalesced), stored in one transaction.
+        """Concurrent create_task calls (the API's, coalesced), stored together, in one commit.
 
         Each is answered as :meth:`create` would answer it alone: the task as
         stored and whether it is new, or the error that refused it, which takes
