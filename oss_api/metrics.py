@@ -18,7 +18,7 @@ from typing import TypeVar
 from shared import metrics
 from shared.exposition import Family, Labels, gauge, render, stack
 from shared.messaging import queue_name
-from shared.messaging.depth import queue_depths
+from shared.messaging.depth import QueueDepths
 from shared.presence import Presence
 from shared.runtime import Runtime
 
@@ -38,6 +38,7 @@ class StackMetrics:
         self.timeout = timeout
         self._running: dict[str, Future[object]] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="metrics")
+        self._depths = QueueDepths(runtime.settings, timeout)
 
     def exposition(self) -> bytes:
         rt = self.runtime
@@ -73,7 +74,7 @@ class StackMetrics:
 
     def queue_depths(self, queues: list[str]) -> dict[str, int] | None:
         """Messages waiting in each of ``queues``, or None if the broker did not answer in time."""
-        return self._part("queue_depth_ui", lambda: queue_depths(self.runtime.settings, queues, self.timeout))
+        return self._part("queue_depth_ui", lambda: self._depths(queues))
 
     def _queue_depth(self) -> list[Family]:
         flows = self.runtime.flows
@@ -81,7 +82,7 @@ class StackMetrics:
         alert_module = self.runtime.settings.alert_command.partition(".")[0]
         if alert_module and alert_module not in modules:
             modules.append(alert_module)
-        depths = queue_depths(self.runtime.settings, [queue_name(m) for m in modules], self.timeout)
+        depths = self._depths([queue_name(m) for m in modules])
         values: dict[Labels, float] = {(("queue", q),): float(n) for q, n in depths.items()}
         return [gauge("asyncflow_queue_depth", "Step messages waiting in each module queue", values)]
 
@@ -96,4 +97,5 @@ class StackMetrics:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._depths.close()
 

@@ -13,7 +13,7 @@ from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import FlowsError, FlowSet, ModuleDecl, load_flows
 from shared.messaging import CeleryPublisher, make_celery, queue_name, serve_steps
-from shared.messaging.depth import queue_depths
+from shared.messaging.depth import QueueDepths
 from shared.messaging.running import RunningSteps
 from shared.module import Module
 from shared.pull.rules import TaskType
@@ -208,9 +208,13 @@ class Runtime:
         room = {m: max(0, ahead - depth) for m, depth in self._depths().items()}
         return {m: free if free * 2 >= ahead else 0 for m, free in room.items()}
 
+    @cached_property
+    def queue_depths(self) -> QueueDepths:
+        return QueueDepths(self.settings, DEPTH_TIMEOUT)
+
     def _depths(self) -> dict[str, int]:
         queues = {queue_name(m): m for m in sorted(self.flows.push_module_names())}
-        depths = queue_depths(self.settings, list(queues), DEPTH_TIMEOUT)
+        depths = self.queue_depths(list(queues))
         return {m: depths.get(q, 0) for q, m in queues.items()}
 
     def consumer(self, names: list[str]) -> StepConsumer:
@@ -225,6 +229,8 @@ class Runtime:
         return StepConsumer(self.service, self.load_modules(names), self.settings, invoke=running.call), running
 
     def close(self) -> None:
+        if "queue_depths" in self.__dict__:
+            self.queue_depths.close()
         if "broker_publisher" in self.__dict__:
             self.broker_publisher.close()
         if "store" in self.__dict__:

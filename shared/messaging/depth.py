@@ -4,28 +4,106 @@ One cheap question per broker: RabbitMQ's passive queue_declare (its message
 count), Redis's list lengths over the priority lists of a queue, the embedded
 broker's count of visible rows (through kombu's index on ``visible``). Every
 connection has a short timeout; callers bound the whole call too.
+
+The scheduler asks at every pass while a batch's first steps wait (every 0.2 s),
+so :class:`QueueDepths` keeps its RabbitMQ connection between questions: opening
+one costs more than the question, and the broker logs each connection opened and
+closed.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
+import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy.engine import make_url
 
 from shared.config import Settings
 
+log = logging.getLogger(__name__)
 
-def queue_depths(settings: Settings, queues: Sequence[str], timeout: float) -> dict[str, int]:
-    """Messages ready in each of ``queues`` (a queue never declared has none)."""
-    url = settings.resolved_broker_url()
-    if settings.is_embedded_broker():
-        return _embedded(url, queues, timeout)
-    if url.startswith(("amqp", "pyamqp")):
-        return _rabbitmq(url, queues, timeout)
-    if url.startswith(("redis", "rediss")):
-        return _redis(url, queues, timeout)
-    raise NotImplementedError(f"no queue depth for broker {url.split(':', 1)[0]}")
+
+class QueueDepths:
+    """Asks the broker how many messages are ready in queues, over a connection kept between questions.
+
+    Thread-safe. The connection is opened again after a failure (a question on a
+    kept connection that fails is asked once more on a new one), after an idle
+    spell long enough for the broker or a firewall to have dropped it, and in a
+    forked process.
+    """
+
+    IDLE_AT_MOST = 20.0
+
+    def __init__(self, settings: Settings, timeout: float) -> None:
+        self.settings = settings
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._conn: Any = None  # RabbitMQ's, kombu's Connection
+        self._channel: Any = None
+        self._owner = 0  # the pid that opened it
+        self._used = 0.0
+
+    def __call__(self, queues: Sequence[str]) -> dict[str, int]:
+        """Messages ready in each of ``queues`` (a queue never declared has none)."""
+        url = self.settings.resolved_broker_url()
+        if self.settings.is_embedded_broker():
+            return _embedded(url, queues, self.timeout)
+        if url.startswith(("redis", "rediss")):
+            return _redis(url, queues, self.timeout)
+        if not url.startswith(("amqp", "pyamqp")):
+            raise NotImplementedError(f"no queue depth for broker {url.split(':', 1)[0]}")
+        with self._lock:
+            kept = self._conn is not None and self._owner == os.getpid()
+            if kept and time.monotonic() - self._used > self.IDLE_AT_MOST:
+                self._drop()
+                kept = False
+            try:
+                return self._rabbitmq(url, queues)
+            except Exception:
+                self._drop()
+                if not kept:
+                    raise
+            # Most likely the broker restarted while the connection sat here: once more, on a new one.
+            try:
+                return self._rabbitmq(url, queues)
+            except Exception:
+                self._drop()
+                raise
+
+    def _rabbitmq(self, url: str, queues: Sequence[str]) -> dict[str, int]:
+        from kombu.connection import Connection
+
+        if self._conn is None or self._owner != os.getpid():
+            options = {"read_timeout": self.timeout, "write_timeout": self.timeout}
+            self._conn = Connection(url, connect_timeout=self.timeout, transport_options=options)  # type: ignore[no-untyped-call]
+            self._owner = os.getpid()
+            self._channel = self._conn.channel()
+        depths: dict[str, int] = {}
+        for queue in queues:
+            try:
+                depths[queue] = int(self._channel.queue_declare(queue=queue, passive=True).message_count)
+            except self._conn.channel_errors:  # 404: never declared, so empty
+                depths[queue] = 0
+                self._channel = self._conn.channel()  # the broker closed the channel that asked
+        self._used = time.monotonic()
+        return depths
+
+    def _drop(self) -> None:
+        conn, self._conn, self._channel = self._conn, None, None
+        if conn is not None and self._owner == os.getpid():
+            try:
+                conn.close()
+            except Exception as exc:  # it is being given up on anyway
+                log.debug("closing a queue depth connection: %s", exc)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
 
 
 def _embedded(url: str, queues: Sequence[str], timeout: float) -> dict[str, int]:
@@ -51,23 +129,6 @@ def _embedded(url: str, queues: Sequence[str], timeout: float) -> dict[str, int]
     finally:
         conn.close()
     depths.update({str(name): int(n) for name, n in rows})
-    return depths
-
-
-def _rabbitmq(url: str, queues: Sequence[str], timeout: float) -> dict[str, int]:
-    from kombu.connection import Connection
-
-    depths: dict[str, int] = {}
-    options = {"read_timeout": timeout, "write_timeout": timeout}
-    with Connection(url, connect_timeout=timeout, transport_options=options) as conn:  # type: ignore[no-untyped-call]
-        channel = conn.channel()
-        for queue in queues:
-            try:
-                depths[queue] = int(channel.queue_declare(queue=queue, passive=True).message_count)
-            except conn.channel_errors:  # 404: never declared, so empty
-                depths[queue] = 0
-                channel = conn.channel()  # the broker closed the channel that asked
-        channel.close()
     return depths
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from shared.config import Settings
 from shared.messaging import STEP_TASK, make_celery, queue_name
-from shared.messaging.depth import queue_depths
+from shared.messaging.depth import QueueDepths
 from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
 from tests.e2e.stack import Stack, free_port
@@ -123,7 +123,9 @@ def test_a_queue_behind_by_more_than_requeue_after_gets_no_copies(faulty: Stack)
     # Each looked at by the sweep twice (its due time moved on by REQUEUE_AFTER each time).
     for task_id, due in queued.items():
         wait_for(lambda t=task_id, d=due: (queued_due(faulty, t) or 0) >= d + 4, 30, "two requeue passes")
-    assert queue_depths(settings, [queue_name("beta")], 10) == {queue_name("beta"): len(ids)}
+    depths = QueueDepths(settings, 10)
+    assert depths([queue_name("beta")]) == {queue_name("beta"): len(ids)}
+    depths.close()
     faulty.respawn(BETA)
     for task_id in ids:
         assert faulty.wait_stopped(task_id, timeout=60)["task_status"] == 0

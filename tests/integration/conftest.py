@@ -153,3 +153,15 @@ def schedule_store(store: TaskStore, pull_store: PullStore) -> ScheduleStore:
         return SqlScheduleStore(store)
     assert isinstance(store, InMemoryStore) and isinstance(pull_store, InMemoryPullStore)
     return InMemoryScheduleStore(store, pull_store)
+
+
+@pytest.fixture
+def broker_url() -> Iterator[str]:
+    """A RabbitMQ vhost of the test's own, deleted after it."""
+    from tests.e2e.conftest import _drop_vhost, _rabbitmq_url  # it imports this module
+
+    url, vhost = _rabbitmq_url()
+    try:
+        yield url
+    finally:
+        _drop_vhost(vhost)

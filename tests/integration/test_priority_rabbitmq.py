@@ -7,7 +7,6 @@ it (no consumer) and are then read in the order RabbitMQ hands them out.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +16,9 @@ from kombu import Connection, Queue
 from shared.config import Settings
 from shared.messaging import MAX_PRIORITY, CeleryPublisher, make_celery, queue_name
 from shared.task import StepMessage
-from tests.e2e.conftest import _drop_vhost, _rabbitmq_url
 from tests.unit.redis.support import PRIORITY_ORDER, priority_examples
 
 pytestmark = pytest.mark.rabbitmq
-
-
-@pytest.fixture
-def broker_url() -> Iterator[str]:
-    url, vhost = _rabbitmq_url()
-    try:
-        yield url
-    finally:
-        _drop_vhost(vhost)
 
 
 def test_started_flows_first_then_task_priority(broker_url: str, tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,9 @@ from shared.messaging import (
     queue_name,
 )
 from shared.task import StepMessage
-from tests.e2e.conftest import _drop_vhost, _rabbitmq_url
 from tests.e2e.stack import free_port
 from tests.integration.test_priority_rabbitmq import task_args_of
 from tests.unit.redis.support import PRIORITY_ORDER, priority_examples, step_message
-
-
-@pytest.fixture
-def broker_url() -> Iterator[str]:
-    url, vhost = _rabbitmq_url()
-    try:
-        yield url
-    finally:
-        _drop_vhost(vhost)
 
 
 @pytest.mark.rabbitmq

@@ -144,7 +144,7 @@ def test_a_part_that_does_not_answer_is_left_out_and_counted(tmp_path: Path, mon
         release.wait(10)
         return {}
 
-    monkeypatch.setattr(api_metrics, "queue_depths", hung_broker)
+    monkeypatch.setattr(api_metrics.QueueDepths, "__call__", hung_broker)
     rt = InProcess(load_flows(SUPPORT / "flows.yaml"), tmp_path).runtime
     stack = StackMetrics(rt, Presence(rt.process_store, "api", 5.0), timeout=0.05)
     errors = metrics.SCRAPE_ERRORS.labels("queue_depth")
