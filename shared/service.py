@@ -312,7 +312,15 @@ class TaskService:
         (after publishing what was stored): the scheduler then waits for it.
         """
         due = sorted(due)  # rows locked in one order: two schedulers' groups wait, never deadlock
-        known = {task.task_id: task for task in self.store.get_many([task_id for task_id, _ in due])}
+        try:
+            known = {task.task_id: task for task in self.store.get_many([task_id for task_id, _ in due])}
+        except StorageUnavailable:
+            raise
+        except Exception:
+            # One row it cannot read (written by another release, say) would hold back the
+            # whole group at every pass: each is read alone instead, and only that one fails.
+            log.warning("%d waiting tasks could not be read together: each is read alone", len(due), exc_info=True)
+            known = {}
         answers = self.apply_many([Change(task_id, Due(seq), known.get(task_id)) for task_id, seq in due])
         errors = [answer for answer in answers if isinstance(answer, Exception) and not isinstance(answer, TaskNotFound)]
         unavailable = next((error for error in errors if isinstance(error, StorageUnavailable)), None)

@@ -9,7 +9,7 @@ the same delivery without the copy gives.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,31 @@ def test_a_batch_s_first_message_published_by_the_sweep_carries_the_task_as_stor
     store.reads = 0
     h.consumer.handle(over_the_wire(first))
     assert store.reads == 0 and ran[0] == ("step", 0, {"Name": "a"})
+
+
+class OneUnreadableRow(InMemoryStore):
+    """A store with one task whose row cannot be read back (a newer release's, say)."""
+
+    unreadable = ""
+
+    def get(self, task_id: str) -> Task | None:
+        if task_id == self.unreadable:
+            raise ValueError(f"task {task_id}: unknown step state 99")
+        return super().get(task_id)
+
+    def get_many(self, task_ids: Sequence[str]) -> list[Task]:
+        return [task for task in map(self.get, task_ids) if task is not None]
+
+
+def test_a_task_that_cannot_be_read_holds_back_only_its_own_first_step() -> None:
+    store = OneUnreadableRow()
+    h = Harness(FLOWS, recording()[0], store=store, settings=Settings(home=Path(".t")))
+    stored = h.service.submit_many([Submission("three", {"n": n}) for n in range(5)])
+    store.unreadable = stored[2][0].task_id
+    assert sweep_tasks(h.service, h.clock()) == 4
+    assert sorted(m.task_id for m in h.publisher.messages) == sorted(t.task_id for t, _ in stored if t.task_id != store.unreadable)
+    store.unreadable = ""  # readable again (the release that wrote it is back): the next pass publishes it
+    assert sweep_tasks(h.service, h.clock()) == 1
 
 
 @pytest.mark.parametrize("within", [None, FAR], ids=["published", "run on"])
