@@ -62,7 +62,7 @@ V1_LEASE_EXPIRIES = Counter(
 )
 
 # The API's intake (oss_api.coalesce): how many concurrent requests went in one batch,
-# stored in one transaction (a second one only when an id repeats in the batch).
+# stored in one commit (a second one only when an id repeats in the batch).
 INTAKE_BATCH = Histogram(
     "asyncflow_api_intake_batch_size",
     "Concurrent submits, create_task or hold_tasks calls served together, by call",

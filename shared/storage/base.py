@@ -233,7 +233,7 @@ class TaskStore(abc.ABC):
 
     @abc.abstractmethod
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> list[Stored[Task]]:
-        """Insert every task of ``batch`` (distinct ids) in one transaction, as :meth:`create` would each.
+        """Insert every task of ``batch`` (distinct ids) in one commit, as :meth:`create` would each.
 
         An id already stored gives (stored task, False). If one belongs to another
         flow or user, :class:`TaskConflict` is raised and no task of the batch is
@@ -350,7 +350,7 @@ Created = TypeVar("Created", Task, PullTask)
 # What create_many answers for one task of its batch: the task as stored and whether
 # this call created it, or (with ``each``) what refused it: its id taken by another
 # request, or for a pull task its type not registered.
-Stored = tuple[Created, bool] | TaskConflict | UnknownType
+Stored = tuple[Created, bool] | TaskConflict | UnknownType | StorageUnavailable
 
 
 def batch_created(
@@ -359,6 +359,7 @@ def batch_created(
     found: Iterable[Created],
     same: Callable[[Created, Created], bool],
     each: bool = False,
+    unread: StorageUnavailable | None = None,
 ) -> list[Stored[Created]]:
     """What a create_many answers once it knows what it ``inserted`` and the stored tasks ``found`` for the rest.
 
@@ -370,6 +371,9 @@ def batch_created(
     committed, so that none of the batch is stored; or, with ``each``, answered for
     that task alone while the others are committed. A pull task neither inserted
     nor stored is one whose type is not registered: :class:`UnknownType`, the same way.
+    The stored tasks may be read after the others' commit: if that read found the
+    database unavailable (``unread``), that is the answer of each task not inserted
+    (with ``each``; else it is raised, nothing of the batch having been inserted).
     """
     stored = {task.task_id: task for task in found}
     answer: list[Stored[Created]] = []
@@ -379,6 +383,11 @@ def batch_created(
             answer.append((evolve(task, version=CREATED_VERSION, **filled), True))
             continue
         old = stored.get(task.task_id)
+        if unread is not None:
+            if not each:
+                raise unread
+            answer.append(unread)
+            continue
         if old is None or not same(old, task):
             refused: TaskConflict | UnknownType = TaskConflict(f"task id {task.task_id!r} is already used")
             if old is None and isinstance(task, PullTask):

@@ -22,8 +22,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, NamedTuple, cast
+from contextlib import contextmanager, nullcontext
+from typing import Any, NamedTuple, TypeVar, cast
 from weakref import WeakKeyDictionary
 
 import psycopg
@@ -39,6 +39,8 @@ from sqlalchemy.sql.expression import ClauseElement
 
 from shared.storage.base import StorageUnavailable
 
+Answered = TypeVar("Answered")
+
 # A connection drops its prepared statements after this many executions of them,
 # so that a plan made while a table was tiny is made again once it has grown.
 PREPARED_RUNS = 200
@@ -48,7 +50,8 @@ class DriverStatement:
     """One statement compiled for the engine's dialect, and its parameters' conversions.
 
     ``prepared``: a statement whose plan does not depend on the tables' sizes (by
-    primary key, or a v1 claim in its index's order), prepared on each connection
+    primary key, a v1 claim in its index's order, or a batch's insert, which joins
+    at most the small table of task types), prepared on each connection
     so that PostgreSQL may plan it once there instead of on every execution. No
     other statement is prepared (:func:`prepare_on_request`).
 
@@ -65,6 +68,8 @@ class DriverStatement:
         # Bytes, and only the parameters the statement names: psycopg then reuses
         # its parse of the query (it caches none of a str, nor past 50 parameters).
         self.sql = compiled.string.encode()
+        # For count(): the SQL with libpq's $1..., and the parameter names in that order.
+        self._numbered_sql, self._order = _numbered(self.sql)
         if binary:
             self.sql = re.sub(rb"%\((\w+)\)s", rb"%(\1)b", self.sql)
         self._names: list[tuple[str, Callable[[Any], Any] | None]] = []
@@ -76,8 +81,6 @@ class DriverStatement:
                 self._names.append((name, convert))
             else:
                 self._fixed[name] = bind.effective_value if convert is None else convert(bind.effective_value)
-        # For count(): the SQL with libpq's $1..., and the parameter names in that order.
-        self._numbered_sql, self._order = _numbered(self.sql)
 
     def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """The statement's parameters out of ``values``, converted as SQLAlchemy would."""
@@ -98,9 +101,9 @@ class DriverStatement:
             return cursor.execute(self.sql, self.params(values), prepare=True)
         except psycopg.errors.FeatureNotSupported:
             # "cached plan must not change result type": a migration changed a column
-            # the statement returns while this connection kept it prepared. In
-            # autocommit nothing was written: drop them all and run it once more.
-            if not conn.autocommit:
+            # the statement returns while this connection kept it prepared. Outside a
+            # transaction nothing was written: drop them all and run it once more.
+            if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 raise
             _drop_prepared(cursor)
             return cursor.execute(self.sql, self.params(values), prepare=True)
@@ -498,38 +501,52 @@ def autocommit_cursor(kept_connections: KeptConnections) -> Iterator[psycopg.Cur
         kept_connections.give_back(kept)
 
 
-def batch_transaction(
-    cursor: psycopg.Cursor[dict[str, Any]], rows: Sequence[object], each: bool
-) -> AbstractContextManager[Any]:
-    """A transaction around a batch's statements, where the batch is all or none.
+class Inserted(NamedTuple):
+    """What a batch's insert did: the ids inserted, each with the columns the insert returned
+    (a pull task's settings); the stored rows of the ids it skipped; and, where those could
+    not be read, why."""
 
-    Without one the batch's insert commits on its own: a batch of one, or one whose
-    tasks are answered ``each`` for itself (concurrent single creates, coalesced by
-    the API), needs no BEGIN and COMMIT, which would triple its round trips.
-    """
-    return cursor.connection.transaction() if len(rows) > 1 and not each else nullcontext()
+    new: dict[str, dict[str, Any]]
+    found: list[dict[str, Any]]
+    unread: StorageUnavailable | None = None
 
 
 def insert_new(
-    cursor: psycopg.Cursor[dict[str, Any]],
+    kept_connections: KeptConnections,
     insert: DriverStatement,
     read: DriverStatement,
     rows: Sequence[Mapping[str, Any]],
-) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    each: bool,
+    answer: Callable[[Inserted], Answered],
+) -> Answered:
     """Run ``insert``, an INSERT … ON CONFLICT DO NOTHING RETURNING task_id of the batch's rows
-    as arrays (:func:`shared.storage.statements.batch_rows`), on ``rows``.
+    as arrays (:func:`shared.storage.statements.batch_rows`), on ``rows``; then ``read``, by
+    ``b_task_id``, the rows of the ids it skipped (replays; or pull tasks of an unregistered
+    type, which a batch of any size may hold), in one more round trip. Returns what
+    ``answer`` makes of it.
 
-    Returns the ids inserted, each with the other columns the insert returned,
-    and the stored rows of the others (replays; or pull tasks of an unregistered
-    type, which a batch of any size may hold), ``read`` by ``b_task_id`` in one
-    more round trip.
+    A batch answered all or none is one transaction, which ``answer`` rolls back by
+    raising. One whose tasks are answered ``each`` for itself (concurrent single
+    creates, coalesced by the API), or a batch of one, is one statement that commits
+    on its own: no BEGIN and COMMIT, which would triple its round trips. Its read
+    comes after that commit, so if it finds the database unavailable, that is the
+    answer of the skipped rows alone: the inserted ones are stored.
     """
     if not rows:
-        return {}, []
+        return answer(Inserted({}, []))
     arrays = {name: [row[name] for row in rows] for name in rows[0]}
-    inserted = {returned.pop("task_id"): returned for returned in insert.run(cursor, arrays).fetchall()}
-    skipped = [{"b_task_id": row["task_id"]} for row in rows if row["task_id"] not in inserted]
-    return inserted, _each_row(cursor, read, skipped) if skipped else []
+    alone = each or len(rows) == 1
+    with autocommit_cursor(kept_connections) as cursor, (nullcontext() if alone else cursor.connection.transaction()):
+        new = {returned.pop("task_id"): returned for returned in insert.run(cursor, arrays).fetchall()}
+        skipped = [{"b_task_id": row["task_id"]} for row in rows if row["task_id"] not in new]
+        if not skipped or not alone:
+            return answer(Inserted(new, _each_row(cursor, read, skipped) if skipped else []))
+    try:
+        with autocommit_cursor(kept_connections) as cursor:
+            found = _each_row(cursor, read, skipped)
+    except StorageUnavailable as exc:
+        return answer(Inserted(new, [], exc))
+    return answer(Inserted(new, found))
 
 
 def _each_row(

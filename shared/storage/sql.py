@@ -58,10 +58,10 @@ from shared.storage.codec import json_text, task_from_row, task_to_row
 from shared.storage.driver import (
     KEPT,
     DriverStatement,
+    Inserted,
     KeptConnections,
     answers,
     autocommit_cursor,
-    batch_transaction,
     count_together,
     insert_new,
     prepare_on_request,
@@ -69,6 +69,7 @@ from shared.storage.driver import (
 from shared.storage.schema import FIRST, LATER, SENT, attempts, metadata, task_events, tasks
 from shared.storage.statements import (
     CREATE_NEW_TASKS,
+    CREATE_NEW_TASKS_SQLITE,
     CREATE_TASK,
     CREATE_VALUES,
     GET_TASK,
@@ -157,7 +158,7 @@ class SqlStore(TaskStore):
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
         rows = [task_to_row(task, now) | {"version": CREATED_VERSION} for task in batch]
         with self.transaction() as conn:
-            new = conn.execute(CREATE_NEW_TASKS[self.engine.dialect.name], rows).scalars()
+            new = conn.execute(CREATE_NEW_TASKS_SQLITE, rows).scalars()
             inserted: dict[str, dict[str, Any]] = {task_id: {} for task_id in new}  # nothing filled in
             taken = [task.task_id for task in batch if task.task_id not in inserted]
             found = [task_from_row(row) for row in conn.execute(GET_TASKS, {"b_task_ids": taken})] if taken else []
@@ -446,7 +447,7 @@ class PostgresStore(SqlStore):
         self._get = DriverStatement(GET_TASK, self.engine, prepared=True)
         self._create = DriverStatement(CREATE_TASK.values(CREATE_VALUES), self.engine)
         self._save = {kind: DriverStatement(s, self.engine, prepared=True) for kind, s in SAVE_IN_ONE_STATEMENT.items()}
-        self._create_new = DriverStatement(CREATE_NEW_TASKS["postgresql"], self.engine, prepared=True, binary=True)
+        self._create_new = DriverStatement(CREATE_NEW_TASKS, self.engine, prepared=True, binary=True)
 
     def _make_engine(self, url: str) -> Engine:
         # Connections are kept, not opened per burst: a new PostgreSQL connection costs
@@ -475,9 +476,12 @@ class PostgresStore(SqlStore):
 
     def create_many(self, batch: Sequence[Task], now: float, each: bool = False) -> builtins.list[Stored[Task]]:
         rows = [task_to_row(task, now) | {"version": CREATED_VERSION} for task in batch]
-        with autocommit_cursor(self.connections) as cursor, batch_transaction(cursor, rows, each):
-            inserted, found = insert_new(cursor, self._create_new, self._get, rows)
-            return batch_created(batch, inserted, map(task_from_row, found), same_request, each)
+
+        def answer(inserted: Inserted) -> builtins.list[Stored[Task]]:
+            found = map(task_from_row, inserted.found)
+            return batch_created(batch, inserted.new, found, same_request, each, inserted.unread)
+
+        return insert_new(self.connections, self._create_new, self._get, rows, each, answer)
 
     def get(self, task_id: str) -> Task | None:
         with autocommit_cursor(self.connections) as cursor:

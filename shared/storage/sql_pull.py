@@ -25,9 +25,9 @@ from shared.records import evolve
 from shared.storage.base import PullStore, Stored, TaskConflict, TypeSummary, batch_created, same_pull_request
 from shared.storage.driver import (
     DriverStatement,
+    Inserted,
     KeptConnections,
     autocommit_cursor,
-    batch_transaction,
     insert_new,
 )
 from shared.storage.schema import pull_tasks, task_types
@@ -248,10 +248,12 @@ class SqlPullStore(PullStore):
     def create_many(self, batch: Sequence[PullTask], each: bool = False) -> builtins.list[Stored[PullTask]]:
         rows = [create_row(task) for task in batch]
         if self._driver is not None:
-            with autocommit_cursor(self._connections()) as cursor, batch_transaction(cursor, rows, each):
-                inserted, stored = insert_new(cursor, self._driver["create new"], self._driver["get"], rows)
-                found = [_task(row) for row in stored]
-                return batch_created(batch, inserted, found, same_pull_request, each)
+
+            def answer(inserted: Inserted) -> builtins.list[Stored[PullTask]]:
+                found = [_task(row) for row in inserted.found]
+                return batch_created(batch, inserted.new, found, same_pull_request, each, inserted.unread)
+
+            return insert_new(self._connections(), self._driver["create new"], self._driver["get"], rows, each, answer)
         with self.sql.transaction() as conn:
             names = sorted({task.task_type for task in batch})
             settings = {r.task_type: type_settings(_type(r)) for r in conn.execute(GET_TASK_TYPES, {"b_task_types": names})}

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Column, bindparam, column, func, insert, select, update
+from sqlalchemy import Column, String, bindparam, column, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.types import TypeEngine
 
 from shared.storage.schema import attempts, tasks
 
@@ -39,21 +40,30 @@ def batch_rows(columns: Iterable[Column[Any]]) -> TableValuedAlias:
     (benchmarks/README.md, "A batch in one statement").
     """
     columns = list(columns)
-    arrays = (bindparam(c.name, type_=postgresql.ARRAY(c.type, dimensions=1)) for c in columns)
+    arrays = (bindparam(c.name, type_=postgresql.ARRAY(_unbounded(c.type), dimensions=1)) for c in columns)
     return func.unnest(*arrays).table_valued(*(column(c.name, c.type) for c in columns)).render_derived("r")
+
+
+def _unbounded(type_: TypeEngine[Any]) -> TypeEngine[Any]:
+    # A cast to VARCHAR(64) cuts a longer value short without a word; the insert into
+    # the column refuses it, as a row's own insert does.
+    return String() if isinstance(type_, String) and type_.length else type_
 
 
 # A batch's insert: ids already stored are skipped and only the inserted ones returned.
 # Rows go in by id, so that two batches sharing ids (concurrent replays of one request)
 # wait for each other's commit instead of deadlocking.
 _NEW_ROWS = batch_rows(tasks.columns)
-CREATE_NEW_TASKS = {
-    "postgresql": postgresql.insert(tasks)
+CREATE_NEW_TASKS = (
+    postgresql.insert(tasks)
     .from_select(list(_NEW_ROWS.c.keys()), select(_NEW_ROWS).order_by(_NEW_ROWS.c.task_id))
     .on_conflict_do_nothing(index_elements=[tasks.c.task_id])
-    .returning(tasks.c.task_id),
-    "sqlite": sqlite.insert(tasks).on_conflict_do_nothing(index_elements=[tasks.c.task_id]).returning(tasks.c.task_id),
-}
+    .returning(tasks.c.task_id)
+)
+# SQLite's, a row at a time (executemany) in one transaction.
+CREATE_NEW_TASKS_SQLITE = (
+    sqlite.insert(tasks).on_conflict_do_nothing(index_elements=[tasks.c.task_id]).returning(tasks.c.task_id)
+)
 
 SAVE_TASK = (
     update(tasks)

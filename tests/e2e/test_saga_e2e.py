@@ -190,7 +190,7 @@ def test_idempotent_resubmit_returns_the_same_task_and_runs_it_once(stack: Stack
 
 
 def test_concurrent_submits_are_each_answered_as_alone_and_each_new_flow_runs_once(stack: Stack) -> None:
-    # Submits that arrive together are stored in one transaction (oss_api.coalesce):
+    # Submits that arrive together are stored in one commit (oss_api.coalesce):
     # new ones, replays of one id, and one id claimed by two flows, all at once.
     tag = uuid.uuid4().hex[:8]
     bodies = [{"flow": "three", "task_id": f"new-{tag}-{i}", "parameters": {}} for i in range(16)]

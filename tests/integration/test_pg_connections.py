@@ -19,6 +19,7 @@ from shared.config import Settings
 from shared.consumer import StepConsumer
 from shared.flows import load_flows
 from shared.migrate import upgrade
+from shared.pull.rules import TaskType, new_pull_task
 from shared.service import TaskService
 from shared.storage import StorageUnavailable, TaskFilter
 from shared.storage import driver as driver_module
@@ -26,6 +27,7 @@ from shared.storage import sql as sql_module
 from shared.storage.base import Save
 from shared.storage.driver import autocommit_cursor
 from shared.storage.sql import PostgresStore
+from shared.storage.sql_pull import SqlPullStore
 from shared.testing import QueuePublisher
 from tests.integration.conftest import postgres_admin, postgres_schema
 from tests.integration.test_store_contract import NOW, submitted
@@ -481,5 +483,56 @@ def test_a_transition_whose_prepare_is_refused_leaves_no_name_behind(postgres_ur
             cursor.execute(f"INSERT INTO {table} VALUES (1), (1), (2)")
             assert statement.count(cursor, {"n": 1}) == 2
             cursor.execute(f"DROP TABLE {table}")
+    finally:
+        store.close()
+
+
+def test_a_batch_refuses_a_value_longer_than_its_column_and_stores_none_of_it(postgres_url: str) -> None:
+    """A batch's columns go as arrays: cast to VARCHAR(n), a longer value would be cut short unseen."""
+    store = PostgresStore(postgres_url)
+    pull = SqlPullStore(store)
+    pull.save_type(TaskType(task_type="video"), NOW)
+    tag = uuid.uuid4().hex[:8]
+    try:
+        for each in (True, False):
+            fine, long = submitted(f"fine-{tag}-{each}"), submitted(f"long-{tag}-{each}", user_id="u" * 129)
+            with pytest.raises(psycopg.errors.StringDataRightTruncation):
+                store.create_many([fine, long], NOW, each=each)
+            assert store.get(fine.task_id) is None and store.get(long.task_id) is None
+            tasks = [new_pull_task(f"{name}-{tag}-{each}", TaskType(task_type="video"), user, "", "{}", 0, NOW)
+                     for name, user in (("fine", "u"), ("long", "u" * 129))]
+            with pytest.raises(psycopg.errors.StringDataRightTruncation):
+                pull.create_many(tasks, each=each)
+            assert pull.get(tasks[0].task_id) is None and pull.get(tasks[1].task_id) is None
+    finally:
+        store.close()
+
+
+def test_coalesced_creates_committed_before_the_read_of_the_others_failed_are_answered_stored(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Concurrent single creates commit in one statement; the ids it skipped (replays) are
+    read after it. If that read finds the database gone, the inserted tasks are still stored
+    and answered so: only the skipped ones are answered with the error."""
+    store = PostgresStore(postgres_url)
+    tag = uuid.uuid4().hex[:8]
+    old, _ = store.create(submitted(f"old-{tag}"), NOW)
+    batch = [submitted(f"new-{tag}-1"), submitted(old.task_id), submitted(f"new-{tag}-2")]
+
+    def connection_lost(*_: object) -> list[dict[str, object]]:
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(driver_module, "_each_row", connection_lost)
+    try:
+        first, replay, second = store.create_many(batch, NOW, each=True)
+        assert first == (replace(batch[0], version=1), True) and second == (replace(batch[2], version=1), True)
+        assert isinstance(replay, StorageUnavailable)
+        # All or none: the batch's transaction is rolled back with the error.
+        others = [submitted(f"none-{tag}-1"), submitted(old.task_id), submitted(f"none-{tag}-2")]
+        with pytest.raises(StorageUnavailable):
+            store.create_many(others, NOW)
+        monkeypatch.undo()
+        assert store.get(batch[0].task_id) == first[0] and store.get(batch[2].task_id) == second[0]  # type: ignore[index]
+        assert store.get(others[0].task_id) is None and store.get(others[2].task_id) is None
     finally:
         store.close()
