@@ -59,7 +59,8 @@ class Settings(BaseSettings):
     # A batch's first steps are published while their module's queue holds fewer
     # than this many messages waiting; the rest wait in the database. Keep it
     # under what the module's workers start in ten times requeue_after: a message
-    # still waiting in its queue after that is published again.
+    # still waiting in its queue after that is published again. A module's own
+    # release_ahead in flows.yaml comes first.
     release_ahead: int = Field(default=200, ge=2)
     expire_grace: float = 15.0
     publish_retry: float = 2.0

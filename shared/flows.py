@@ -115,6 +115,10 @@ class ModuleDecl(BaseModel):
     schedule_interval: int = Field(default=1, ge=0, le=3600)  # seconds between a worker's polls
     # A worker's set_task with status 1 means "not finished": lease it again after this.
     poll_interval: float = Field(default=5.0, gt=0, le=24 * 3600)
+    # push: how many messages its queue may hold waiting before a batch's first steps wait
+    # in the database instead; unset, ASYNCFLOW_RELEASE_AHEAD. A module whose steps are slow
+    # takes fewer, so that none waits in its queue long enough to be published again.
+    release_ahead: int | None = Field(default=None, ge=2)
 
     @model_validator(mode="after")
     def _fields_of_its_mode(self) -> ModuleDecl:
@@ -123,6 +127,8 @@ class ModuleDecl(BaseModel):
         pull_only = {"schedule_limit", "schedule_interval", "poll_interval"} & self.model_fields_set
         if self.mode == "push" and pull_only:
             raise ValueError(f"{', '.join(sorted(pull_only))}: only for mode: pull")
+        if self.mode == "pull" and "release_ahead" in self.model_fields_set:
+            raise ValueError("release_ahead: only for mode: push (a pull-mode module has no queue)")
         return self
 
 

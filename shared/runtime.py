@@ -201,12 +201,17 @@ class Runtime:
     def queue_room(self) -> dict[str, int]:
         """How many more of a batch's first steps each push module's queue may be given now.
 
-        Nothing until half of ``release_ahead`` is free: the steps then go in groups
-        of a useful size, not a few at every pass as the queue drains.
+        Nothing until half of the module's ``release_ahead`` (flows.yaml, else the
+        setting's) is free: the steps then go in groups of a useful size, not a few
+        at every pass as the queue drains.
         """
-        ahead = self.settings.release_ahead
-        room = {m: max(0, ahead - depth) for m, depth in self._depths().items()}
-        return {m: free if free * 2 >= ahead else 0 for m, free in room.items()}
+        room = {}
+        for module, depth in self._depths().items():
+            decl = self.flows.modules.get(module)
+            ahead = decl.release_ahead if decl and decl.release_ahead else self.settings.release_ahead
+            free = max(0, ahead - depth)
+            room[module] = free if free * 2 >= ahead else 0
+        return room
 
     @cached_property
     def queue_depths(self) -> QueueDepths:

@@ -336,6 +336,8 @@ def test_a_pull_module_cannot_be_run_by_a_celery_worker(testmod_on_path: None) -
         ({"import": "testmod", "poll_interval": 2}, "poll_interval: only for mode: pull"),
         ({"mode": "pull", "poll_interval": 0}, "module 'dns': poll_interval: Input should be greater than 0"),
         ({"mode": "queue"}, "module 'dns': mode: Input should be 'push' or 'pull'"),
+        ({"mode": "pull", "release_ahead": 10}, "release_ahead: only for mode: push"),
+        ({"import": "testmod", "release_ahead": 1}, "module 'dns': release_ahead: Input should be greater than or equal to 2"),
     ],
 )
 def test_pull_mode_declarations_are_checked(tmp_path: Path, decl: dict[str, Any], expected: str) -> None:
