@@ -135,7 +135,7 @@ def _registered(presence: Presence, stack_metrics: StackMetrics) -> Callable[[Fa
             yield
         finally:
             await asyncio.to_thread(presence.stop)
-            stack_metrics.close()
+            await asyncio.to_thread(stack_metrics.close)  # it may wait for a question to the broker
 
     return lifespan
 

@@ -316,11 +316,11 @@ class TaskService:
             known = {task.task_id: task for task in self.store.get_many([task_id for task_id, _ in due])}
         except StorageUnavailable:
             raise
-        except Exception:
+        except Exception as exc:
             # One row it cannot read (written by another release, say) would hold back the
-            # whole group at every pass: each is read alone instead, and only that one fails.
-            log.warning("%d waiting tasks could not be read together: each is read alone", len(due), exc_info=True)
-            known = {}
+            # whole group at every pass: each is read alone, the group goes on without it.
+            log.warning("%d waiting tasks could not be read together, so each alone: %s", len(due), exc)
+            known = self._readable([task_id for task_id, _ in due])
         answers = self.apply_many([Change(task_id, Due(seq), known.get(task_id)) for task_id, seq in due])
         errors = [answer for answer in answers if isinstance(answer, Exception) and not isinstance(answer, TaskNotFound)]
         unavailable = next((error for error in errors if isinstance(error, StorageUnavailable)), None)
@@ -329,6 +329,20 @@ class TaskService:
         if errors:  # left waiting, due: the next pass tries them again
             log.warning("%d waiting message(s) not published: %s", len(errors), errors[0], exc_info=errors[0])
         return sum(isinstance(answer, Decision) and not answer.ignored for answer in answers)
+
+    def _readable(self, task_ids: Sequence[str]) -> dict[str, Task]:
+        """Those of ``task_ids`` the store can read, each read alone; the others are left out."""
+        readable = {}
+        for task_id in task_ids:
+            try:
+                task = self.store.get(task_id)
+            except StorageUnavailable:
+                raise
+            except Exception:
+                continue  # its change goes on alone, and fails there, where it is logged
+            if task is not None:
+                readable[task_id] = task
+        return readable
 
     def apply_many(self, changes: Sequence[Change]) -> builtins.list[Decision | Exception]:
         """:meth:`apply` each of ``changes``, their writes committed together.

@@ -18,6 +18,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +48,15 @@ class QueueDepths:
         self._channel: Any = None
         self._owner = 0  # the pid that opened it
         self._used = 0.0
+        self._closed = False
+        ref = weakref.ref(self)
+
+        def unlocked_in_child() -> None:  # a question under way in another thread stays in the parent
+            depths = ref()
+            if depths is not None:
+                depths._lock = threading.Lock()
+
+        os.register_at_fork(after_in_child=unlocked_in_child)
 
     def __call__(self, queues: Sequence[str]) -> dict[str, int]:
         """Messages ready in each of ``queues`` (a queue never declared has none)."""
@@ -58,22 +68,29 @@ class QueueDepths:
         if not url.startswith(("amqp", "pyamqp")):
             raise NotImplementedError(f"no queue depth for broker {url.split(':', 1)[0]}")
         with self._lock:
-            kept = self._conn is not None and self._owner == os.getpid()
-            if kept and time.monotonic() - self._used > self.IDLE_AT_MOST:
-                self._drop()
-                kept = False
             try:
-                return self._rabbitmq(url, queues)
-            except Exception:
-                self._drop()
-                if not kept:
-                    raise
-            # Most likely the broker restarted while the connection sat here: once more, on a new one.
-            try:
-                return self._rabbitmq(url, queues)
-            except Exception:
-                self._drop()
+                return self._asked(url, queues)
+            finally:
+                if self._closed:  # closed while this question was under way
+                    self._drop()
+
+    def _asked(self, url: str, queues: Sequence[str]) -> dict[str, int]:
+        kept = self._conn is not None and self._owner == os.getpid()
+        if kept and time.monotonic() - self._used > self.IDLE_AT_MOST:
+            self._drop()
+            kept = False
+        try:
+            return self._rabbitmq(url, queues)
+        except Exception:
+            self._drop()
+            if not kept:
                 raise
+        # Most likely the broker restarted while the connection sat here: once more, on a new one.
+        try:
+            return self._rabbitmq(url, queues)
+        except Exception:
+            self._drop()
+            raise
 
     def _rabbitmq(self, url: str, queues: Sequence[str]) -> dict[str, int]:
         from kombu.connection import Connection
@@ -89,7 +106,8 @@ class QueueDepths:
                 depths[queue] = int(self._channel.queue_declare(queue=queue, passive=True).message_count)
             except self._conn.channel_errors:  # 404: never declared, so empty
                 depths[queue] = 0
-                self._channel = self._conn.channel()  # the broker closed the channel that asked
+                if not self._channel.is_open:  # the broker closed it; py-amqp opens it again itself
+                    self._channel = self._conn.channel()
         self._used = time.monotonic()
         return depths
 
@@ -102,8 +120,13 @@ class QueueDepths:
                 log.debug("closing a queue depth connection: %s", exc)
 
     def close(self) -> None:
-        with self._lock:
-            self._drop()
+        """Close the connection; one held by a question under way closes when it ends."""
+        self._closed = True
+        if self._lock.acquire(timeout=self.timeout):
+            try:
+                self._drop()
+            finally:
+                self._lock.release()
 
 
 def _embedded(url: str, queues: Sequence[str], timeout: float) -> dict[str, int]:

@@ -24,6 +24,7 @@ from shared.scheduler.sweeps import sweep_tasks
 from shared.service import Submission, TaskService
 from shared.states import StepState
 from shared.storage import InMemoryStore
+from shared.storage.base import Save
 from shared.storage.codec import task_from_row
 from shared.task import StepMessage, Task
 from shared.testing import Harness
@@ -109,6 +110,11 @@ class OneUnreadableRow(InMemoryStore):
     """A store with one task whose row cannot be read back (a newer release's, say)."""
 
     unreadable = ""
+    groups: list[int] = []
+
+    def save_many(self, saves: Sequence[Save]) -> list[bool]:
+        self.groups.append(len(saves))
+        return super().save_many(saves)
 
     def get(self, task_id: str) -> Task | None:
         if task_id == self.unreadable:
@@ -124,7 +130,9 @@ def test_a_task_that_cannot_be_read_holds_back_only_its_own_first_step() -> None
     h = Harness(FLOWS, recording()[0], store=store, settings=Settings(home=Path(".t")))
     stored = h.service.submit_many([Submission("three", {"n": n}) for n in range(5)])
     store.unreadable = stored[2][0].task_id
+    store.groups = []
     assert sweep_tasks(h.service, h.clock()) == 4
+    assert store.groups == [4]  # the others still committed together
     assert sorted(m.task_id for m in h.publisher.messages) == sorted(t.task_id for t, _ in stored if t.task_id != store.unreadable)
     store.unreadable = ""  # readable again (the release that wrote it is back): the next pass publishes it
     assert sweep_tasks(h.service, h.clock()) == 1
