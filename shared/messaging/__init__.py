@@ -26,6 +26,7 @@ from shared.consumer import StepConsumer
 from shared.logs import AttemptFields, attempt_context, name_message
 from shared.messaging.celery_logs import attempt_fields, follow_attempts, keep_process_logging
 from shared.messaging.embedded import kombu_url, wake_for_stop
+from shared.messaging.kept import KeptConnection
 from shared.messaging.running import RunningSteps
 from shared.records import evolve
 from shared.retry import reconnect_delay
@@ -381,29 +382,22 @@ class ConfirmedLine:
     broker, and a confirm waited for per message 0.45-0.85 ms (benchmarks/README.md,
     "Coalesced intake"). One batch at a time. The connection is opened again after
     a failure, after an idle spell long enough for the broker or a firewall to
-    have dropped it, and in a forked process (the parent's socket is not shared).
+    have dropped it, and in a forked process (:class:`KeptConnection`).
     """
-
-    IDLE_AT_MOST = 20.0
 
     def __init__(self, app: Celery) -> None:
         self.app = app
         self._lock = threading.Lock()
-        self._conn: Any = None
+        self._kept = KeptConnection("publisher")
         self._producer: Any = None
         self._confirms: Confirms | None = None
-        self._owner = 0  # the pid that opened it
-        self._used = 0.0
 
     def publish(
         self, messages: Sequence[StepMessage], send: Callable[[StepMessage, Any], None], timeout: float
     ) -> tuple[list[tuple[StepMessage, Exception]], Exception | None]:
         """Those of ``messages`` not confirmed, with why; and the error that broke the connection, if one did."""
         with self._lock:
-            kept = self._conn is not None and self._owner == os.getpid()
-            if kept and time.monotonic() - self._used > self.IDLE_AT_MOST:
-                self._drop()
-                kept = False
+            kept = self._kept.fit()
             failed, error = self._send(messages, send, timeout)
             if error is not None and kept:
                 # Most likely the broker restarted while the connection sat here: once more, on a new one.
@@ -422,13 +416,13 @@ class ConfirmedLine:
                 send(message, self._producer)
                 sent += 1
                 confirms.sent += 1
-            answered = confirms.wait(self._conn, confirms.sent, timeout)
+            answered = confirms.wait(self._kept.conn, confirms.sent, timeout)
         except Exception as exc:
             acked = confirms.settle(first, first + sent - 1) if confirms is not None and sent else []
             self._drop()
             acked += [False] * (len(messages) - sent)  # not sent, or sent as the connection broke
             return [(m, exc) for m, ok in zip(messages, acked, strict=True) if not ok], exc
-        self._used = time.monotonic()
+        self._kept.used()
         refused: Exception = BrokerUnavailable("RabbitMQ did not confirm the message")
         failed = [(m, refused) for m, ok in zip(messages, confirms.settle(first, confirms.sent), strict=True) if not ok]
         if not answered:
@@ -436,24 +430,18 @@ class ConfirmedLine:
         return failed, None
 
     def _open(self) -> Confirms:
-        if self._conn is not None and self._owner != os.getpid():
-            self._conn = self._producer = self._confirms = None  # the parent's, inherited at a fork
-        if self._confirms is None:
+        if self._confirms is None or not self._kept.owned():  # none yet, or the parent's, inherited at a fork
             # Without confirm_publish, a publish does not wait; confirm mode is set on the channel below.
             # No retries of its own: a batch that fails is published later by the sweep.
-            self._conn = self.app.connection_for_write(transport_options={"confirm_publish": False, "max_retries": 0})
-            self._owner = os.getpid()
-            self._producer = self.app.amqp.Producer(self._conn)
+            options = {"confirm_publish": False, "max_retries": 0}
+            conn = self._kept.open(lambda: self.app.connection_for_write(transport_options=options))
+            self._producer = self.app.amqp.Producer(conn)
             self._confirms = Confirms(self._producer.channel)
         return self._confirms
 
     def _drop(self) -> None:
-        conn, self._conn, self._producer, self._confirms = self._conn, None, None, None
-        if conn is not None and self._owner == os.getpid():
-            try:
-                conn.close()
-            except Exception as exc:  # it is being given up on anyway
-                log.debug("closing a publisher connection: %s", exc)
+        self._kept.drop()
+        self._producer = self._confirms = None
 
     def close(self) -> None:
         with self._lock:

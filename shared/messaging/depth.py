@@ -13,11 +13,9 @@ closed.
 
 from __future__ import annotations
 
-import logging
 import os
 import sqlite3
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -25,8 +23,7 @@ from typing import Any
 from sqlalchemy.engine import make_url
 
 from shared.config import Settings
-
-log = logging.getLogger(__name__)
+from shared.messaging.kept import KeptConnection
 
 
 class QueueDepths:
@@ -35,19 +32,15 @@ class QueueDepths:
     Thread-safe. The connection is opened again after a failure (a question on a
     kept connection that fails is asked once more on a new one), after an idle
     spell long enough for the broker or a firewall to have dropped it, and in a
-    forked process.
+    forked process (:class:`KeptConnection`).
     """
-
-    IDLE_AT_MOST = 20.0
 
     def __init__(self, settings: Settings, timeout: float) -> None:
         self.settings = settings
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._conn: Any = None  # RabbitMQ's, kombu's Connection
+        self._kept = KeptConnection("queue depth")
         self._channel: Any = None
-        self._owner = 0  # the pid that opened it
-        self._used = 0.0
         self._closed = False
         ref = weakref.ref(self)
 
@@ -75,10 +68,7 @@ class QueueDepths:
                     self._drop()
 
     def _asked(self, url: str, queues: Sequence[str]) -> dict[str, int]:
-        kept = self._conn is not None and self._owner == os.getpid()
-        if kept and time.monotonic() - self._used > self.IDLE_AT_MOST:
-            self._drop()
-            kept = False
+        kept = self._kept.fit()
         try:
             return self._rabbitmq(url, queues)
         except Exception:
@@ -95,29 +85,25 @@ class QueueDepths:
     def _rabbitmq(self, url: str, queues: Sequence[str]) -> dict[str, int]:
         from kombu.connection import Connection
 
-        if self._conn is None or self._owner != os.getpid():
+        if self._channel is None or not self._kept.owned():  # none yet, or the parent's, inherited at a fork
             options = {"read_timeout": self.timeout, "write_timeout": self.timeout}
-            self._conn = Connection(url, connect_timeout=self.timeout, transport_options=options)  # type: ignore[no-untyped-call]
-            self._owner = os.getpid()
-            self._channel = self._conn.channel()
+            conn = self._kept.open(lambda: Connection(url, connect_timeout=self.timeout, transport_options=options))  # type: ignore[no-untyped-call]
+            self._channel = conn.channel()
+        conn = self._kept.conn
         depths: dict[str, int] = {}
         for queue in queues:
             try:
                 depths[queue] = int(self._channel.queue_declare(queue=queue, passive=True).message_count)
-            except self._conn.channel_errors:  # 404: never declared, so empty
+            except conn.channel_errors:  # 404: never declared, so empty
                 depths[queue] = 0
                 if not self._channel.is_open:  # the broker closed it; py-amqp opens it again itself
-                    self._channel = self._conn.channel()
-        self._used = time.monotonic()
+                    self._channel = conn.channel()
+        self._kept.used()
         return depths
 
     def _drop(self) -> None:
-        conn, self._conn, self._channel = self._conn, None, None
-        if conn is not None and self._owner == os.getpid():
-            try:
-                conn.close()
-            except Exception as exc:  # it is being given up on anyway
-                log.debug("closing a queue depth connection: %s", exc)
+        self._kept.drop()
+        self._channel = None
 
     def close(self) -> None:
         """Close the connection; one held by a question under way closes when it ends."""

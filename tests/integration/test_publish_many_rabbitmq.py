@@ -64,11 +64,11 @@ def test_batches_go_on_one_kept_connection_opened_again_when_it_broke_or_sat_idl
         assert publisher.publish_many(batch) == []
     assert len(opened) == 1
     # The broker dropped it meanwhile: the batch goes on a new one, nothing failed, no pause.
-    publisher._line._conn.connection.transport.sock.shutdown(socket.SHUT_RDWR)
+    publisher._line._kept.conn.connection.transport.sock.shutdown(socket.SHUT_RDWR)
     assert publisher.publish_many([step_message("alpha", seq=1, task_id=f"broken-{n}", cursor=0) for n in range(3)]) == []
     assert len(opened) == 2 and publisher.healthy()
     # Idle longer than the broker may keep it: opened again before use.
-    monkeypatch.setattr(publisher._line, "IDLE_AT_MOST", 0.0)
+    monkeypatch.setattr(publisher._line._kept, "IDLE_AT_MOST", 0.0)
     assert publisher.publish_many([step_message("alpha", seq=1, task_id="idle", cursor=0)]) == []
     assert len(opened) == 3
     queue = Queue(queue_name("alpha"), routing_key=queue_name("alpha"), queue_arguments={"x-max-priority": MAX_PRIORITY})

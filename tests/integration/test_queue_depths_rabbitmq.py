@@ -37,13 +37,13 @@ def test_depths_go_on_one_kept_connection_opened_again_when_it_broke_or_sat_idle
         # A queue never declared is empty; the channel the broker closed for it is open again.
         assert depths(queues) == {queue_name("alpha"): 3, queue_name("never-declared"): 0}
     assert len(opened) == 1
-    assert len(depths._conn.connection.channels) <= 2  # no channel left behind by each 404
+    assert len(depths._kept.conn.connection.channels) <= 2  # no channel left behind by each 404
     # The broker dropped it meanwhile: asked again on a new one, without an error.
-    depths._conn.connection.transport.sock.shutdown(socket.SHUT_RDWR)
+    depths._kept.conn.connection.transport.sock.shutdown(socket.SHUT_RDWR)
     assert depths([queue_name("alpha")]) == {queue_name("alpha"): 3}
     assert len(opened) == 2
     # Idle longer than the broker may keep it: opened again before use.
-    monkeypatch.setattr(depths, "IDLE_AT_MOST", 0.0)
+    monkeypatch.setattr(depths._kept, "IDLE_AT_MOST", 0.0)
     assert depths([queue_name("alpha")]) == {queue_name("alpha"): 3}
     assert len(opened) == 3
     depths.close()
@@ -57,7 +57,7 @@ def test_an_unreachable_broker_is_an_error_and_the_next_question_connects_again(
     for _ in range(2):
         with pytest.raises(OSError):  # refused: the caller waits and asks again
             depths([queue_name("alpha")])
-    assert depths._conn is None
+    assert depths._kept.conn is None
 
 
 @pytest.mark.rabbitmq
@@ -65,6 +65,6 @@ def test_closed_it_keeps_no_connection(broker_url: str, tmp_path: Path) -> None:
     depths = QueueDepths(Settings(home=tmp_path, broker_url=broker_url), 5.0)
     assert depths([queue_name("alpha")]) == {queue_name("alpha"): 0}
     depths.close()
-    assert depths._conn is None
+    assert depths._kept.conn is None
     assert depths([queue_name("alpha")]) == {queue_name("alpha"): 0}  # asked after the close: answered,
-    assert depths._conn is None  # and not kept
+    assert depths._kept.conn is None  # and not kept
