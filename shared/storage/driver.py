@@ -119,10 +119,10 @@ class DriverStatement:
         """
         conn = cursor.connection
         assert conn.autocommit, "count() runs in autocommit"
-        bound = self._bind(conn, values)
         own = _own_prepared_on(conn)
         pgconn = conn.pgconn
         with conn.lock:
+            bound = self._bind(own, values)
             own.counted(conn, 1)
             for last_try in (False, True):
                 name = own.prepared(conn, bound)
@@ -139,9 +139,10 @@ class DriverStatement:
                     own.names.clear()
         return _number(result)
 
-    def _bind(self, conn: psycopg.Connection[Any], values: Mapping[str, Any]) -> _Bound:
+    def _bind(self, own: _OwnPrepared, values: Mapping[str, Any]) -> _Bound:
+        """Under the connection's lock: ``own.dump`` is the connection's one Transformer."""
         params = self.params(values)
-        dump = Transformer(conn)  # psycopg's dumpers of this connection, as its cursor uses them
+        dump = own.dump
         dumped = dump.dump_sequence([params[name] for name in self._order], [PyFormat.AUTO] * len(self._order))
         # The types are part of the prepared statement: an integer may be dumped as int2 or int8.
         types = tuple(dump.types or ())
@@ -173,9 +174,9 @@ def count_together(
         return [statement.count(cursor, values)]
     conn = cursor.connection
     assert conn.autocommit, "count_together() runs in autocommit"
-    bound = [statement._bind(conn, values) for statement, values in runs]
     own = _own_prepared_on(conn)
     with conn.lock:
+        bound = [statement._bind(own, values) for statement, values in runs]
         own.counted(conn, len(bound))
         for last_try in (False, True):
             try:
@@ -240,7 +241,7 @@ def _number(result: PGresult) -> int:
 def _own_prepared_on(conn: psycopg.Connection[Any]) -> _OwnPrepared:
     own = _own_prepared.get(conn)
     if own is None:
-        own = _own_prepared[conn] = _OwnPrepared()
+        own = _own_prepared[conn] = _OwnPrepared(conn)
     return own
 
 
@@ -253,7 +254,11 @@ class _OwnPrepared:
     drops every statement of the connection.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        # psycopg's dumpers of this connection, kept as its cursor keeps them: a new
+        # Transformer per statement made each dumper again (a JSON one included), which
+        # cost three times the dumping itself.
+        self.dump = Transformer(conn)
         self.names: dict[tuple[DriverStatement, tuple[int, ...]], bytes] = {}
         self.made = itertools.count()
         self.runs = 0
@@ -320,7 +325,8 @@ def _drop_prepared(cursor: psycopg.Cursor[dict[str, Any]]) -> None:
 
 # Executions of prepared statements on each connection since they were last dropped.
 _prepared_runs: WeakKeyDictionary[psycopg.Connection[Any], int] = WeakKeyDictionary()
-# The statements DriverStatement.count prepared on each connection.
+# The statements DriverStatement.count prepared on each connection. Each refers to its
+# connection (its Transformer does): taken out when the connection leaves (KeptConnections).
 _own_prepared: WeakKeyDictionary[psycopg.Connection[Any], _OwnPrepared] = WeakKeyDictionary()
 
 
@@ -435,6 +441,8 @@ class KeptConnections:
     def discard(self, kept: Kept, exc: BaseException | None = None) -> None:
         """Drop a broken connection. The others are pinged before their next use: what
         broke one (a database restart) has likely broken them too."""
+        # Its statements' record refers to the connection (its Transformer does): it would keep it.
+        _own_prepared.pop(kept.cursor.connection, None)
         kept.pooled.invalidate(exc)
         kept.pooled.close()
         with self._lock:
