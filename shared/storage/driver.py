@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 from weakref import WeakKeyDictionary
 
 import psycopg
+from psycopg.abc import Transformer as AdaptTransformer
 from psycopg.adapt import PyFormat, Transformer
 from psycopg.pq import ConnStatus, ExecStatus, PipelineStatus
 from psycopg.pq.abc import PGconn, PGresult
@@ -122,7 +123,7 @@ class DriverStatement:
         own = _own_prepared_on(conn)
         pgconn = conn.pgconn
         with conn.lock:
-            bound = self._bind(own, values)
+            bound = self._bind(_dumper_of(cursor), values)
             own.counted(conn, 1)
             for last_try in (False, True):
                 name = own.prepared(conn, bound)
@@ -139,10 +140,9 @@ class DriverStatement:
                     own.names.clear()
         return _number(result)
 
-    def _bind(self, own: _OwnPrepared, values: Mapping[str, Any]) -> _Bound:
-        """Under the connection's lock: ``own.dump`` is the connection's one Transformer."""
+    def _bind(self, dump: AdaptTransformer, values: Mapping[str, Any]) -> _Bound:
+        """Under the connection's lock: ``dump`` is its cursor's (:func:`_dumper_of`)."""
         params = self.params(values)
-        dump = own.dump
         dumped = dump.dump_sequence([params[name] for name in self._order], [PyFormat.AUTO] * len(self._order))
         # The types are part of the prepared statement: an integer may be dumped as int2 or int8.
         types = tuple(dump.types or ())
@@ -176,7 +176,8 @@ def count_together(
     assert conn.autocommit, "count_together() runs in autocommit"
     own = _own_prepared_on(conn)
     with conn.lock:
-        bound = [statement._bind(own, values) for statement, values in runs]
+        dump = _dumper_of(cursor)
+        bound = [statement._bind(dump, values) for statement, values in runs]
         own.counted(conn, len(bound))
         for last_try in (False, True):
             try:
@@ -238,10 +239,23 @@ def _number(result: PGresult) -> int:
     return int(result.get_value(0, 0) or 0) if result.ntuples else 0
 
 
+def _dumper_of(cursor: psycopg.Cursor[Any]) -> AdaptTransformer:
+    """psycopg's dumpers of ``cursor``'s connection, made once for the cursor (a kept one lives as long as its connection is kept).
+
+    A Transformer made for each statement made each dumper again (a JSON one
+    included), which cost twice the dumping itself; psycopg's own executemany keeps
+    one for all its rows.
+    """
+    dump = _dumpers.get(cursor)
+    if dump is None:
+        dump = _dumpers[cursor] = Transformer(cursor.connection)
+    return dump
+
+
 def _own_prepared_on(conn: psycopg.Connection[Any]) -> _OwnPrepared:
     own = _own_prepared.get(conn)
     if own is None:
-        own = _own_prepared[conn] = _OwnPrepared(conn)
+        own = _own_prepared[conn] = _OwnPrepared()
     return own
 
 
@@ -254,11 +268,7 @@ class _OwnPrepared:
     drops every statement of the connection.
     """
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        # psycopg's dumpers of this connection, kept as its cursor keeps them: a new
-        # Transformer per statement made each dumper again (a JSON one included), which
-        # cost three times the dumping itself.
-        self.dump = Transformer(conn)
+    def __init__(self) -> None:
         self.names: dict[tuple[DriverStatement, tuple[int, ...]], bytes] = {}
         self.made = itertools.count()
         self.runs = 0
@@ -325,9 +335,11 @@ def _drop_prepared(cursor: psycopg.Cursor[dict[str, Any]]) -> None:
 
 # Executions of prepared statements on each connection since they were last dropped.
 _prepared_runs: WeakKeyDictionary[psycopg.Connection[Any], int] = WeakKeyDictionary()
-# The statements DriverStatement.count prepared on each connection. Each refers to its
-# connection (its Transformer does): taken out when the connection leaves (KeptConnections).
+# The statements DriverStatement.count prepared on each connection.
 _own_prepared: WeakKeyDictionary[psycopg.Connection[Any], _OwnPrepared] = WeakKeyDictionary()
+# Each cursor's dumpers (_dumper_of). A Transformer refers to its connection: keyed by the
+# cursor, which the connection does not refer to, it keeps no connection alive past it.
+_dumpers: WeakKeyDictionary[psycopg.Cursor[Any], AdaptTransformer] = WeakKeyDictionary()
 
 
 def prepare_on_request(engine: Engine) -> None:
@@ -441,8 +453,6 @@ class KeptConnections:
     def discard(self, kept: Kept, exc: BaseException | None = None) -> None:
         """Drop a broken connection. The others are pinged before their next use: what
         broke one (a database restart) has likely broken them too."""
-        # Its statements' record refers to the connection (its Transformer does): it would keep it.
-        _own_prepared.pop(kept.cursor.connection, None)
         kept.pooled.invalidate(exc)
         kept.pooled.close()
         with self._lock:
