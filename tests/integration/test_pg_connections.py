@@ -282,6 +282,7 @@ def test_a_store_dropped_unclosed_leaves_nothing_of_the_drivers_holding_its_conn
     task, _ = store.create(submitted(f"dropped-{uuid.uuid4().hex}"), NOW)
     assert store.save(replace(task, message="once"), NOW + 1) is True  # a transition on libpq
     with autocommit_cursor(store.connections) as cursor:
+        assert cursor in driver_module._dumpers  # the transition's, kept
         kept = weakref.ref(cursor.connection)
     del store, cursor
     gc.collect()
