@@ -382,12 +382,12 @@ def batch_created(
         if filled is not None:
             answer.append((evolve(task, version=CREATED_VERSION, **filled), True))
             continue
-        old = stored.get(task.task_id)
         if unread is not None:
             if not each:
                 raise unread
             answer.append(unread)
             continue
+        old = stored.get(task.task_id)
         if old is None or not same(old, task):
             refused: TaskConflict | UnknownType = TaskConflict(f"task id {task.task_id!r} is already used")
             if old is None and isinstance(task, PullTask):

@@ -109,8 +109,10 @@ def test_a_batch_s_first_message_published_by_the_sweep_carries_the_task_as_stor
 class OneUnreadableRow(InMemoryStore):
     """A store with one task whose row cannot be read back (a newer release's, say)."""
 
-    unreadable = ""
-    groups: list[int] = []
+    def __init__(self) -> None:
+        super().__init__()
+        self.unreadable = ""
+        self.groups: list[int] = []  # the size of each group of transitions committed
 
     def save_many(self, saves: Sequence[Save]) -> list[bool]:
         self.groups.append(len(saves))
