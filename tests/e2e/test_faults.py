@@ -248,7 +248,7 @@ def test_scheduler_killed_as_it_publishes_a_batch_loses_no_flow_and_runs_none_tw
     assert {faulty.get(i)["current"]["phase"] for i in ids[:20]} == {"waiting"}  # stored, nothing published
     faulty.respawn("scheduler")
     # The batch's first 500 are the first group (due in the order they were made): killed once it is stored.
-    wait_for(lambda: faulty.get(ids[0])["current"]["phase"] != "waiting", 30, "the release to begin")
+    wait_for(lambda: (faulty.get(ids[0])["current"] or {}).get("phase") != "waiting", 30, "the release to begin")
     faulty.kill("scheduler")
     faulty.respawn("scheduler")
     for task_id in ids:
