@@ -28,6 +28,7 @@ publishes the step again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from queue import Empty
 from typing import Any
 
 import billiard
@@ -45,7 +47,7 @@ from kombu.connection import Connection
 from kombu.entity import Queue
 from kombu.mixins import ConsumerMixin
 
-from shared.consumer import StepConsumer
+from shared.consumer import PULSES, StepConsumer
 from shared.group_commit import Flight, GroupCommit
 from shared.logs import AttemptFields, attempt_context
 from shared.messaging import ALARM_TASK, JSON, LIMIT_MARGIN, STEP_TASK
@@ -188,6 +190,9 @@ class StepMessages(ConsumerMixin):
                     log.exception("alarm not delivered after %d tries", tries + 1)
                 elif self.stopping.wait(reconnect_delay(tries)):
                     return
+        self._ack(message)
+
+    def _ack(self, message: Any) -> None:
         message.ack()
 
 
@@ -195,9 +200,18 @@ class GroupedStepMessages(StepMessages):
     """A consumer process holding up to ``prefetch`` deliveries, their transitions committed together.
 
     ``worker_prefetch`` above 1 (:mod:`shared.group_commit`). Their handlers run
-    one at a time on this thread, so a step that runs long holds the others this
-    process holds until it ends (their outcomes are committed meanwhile): for
-    modules whose steps run for seconds or more, keep ``worker_prefetch`` at 1.
+    one at a time on this thread, so a step that runs long would hold back what
+    this process holds. Once a round has run for GIVE_BACK_AFTER, the pulse
+    thread takes the broker's connection, which this thread uses only between
+    rounds (every read, acknowledgement and rejection is under ``_io``), and
+    gives back what nothing is stored of: the deliveries read but not started
+    yet, and those the broker sends meanwhile (RabbitMQ's, as the consumer is
+    cancelled until the round ends; on Redis, the message a BRPOP left in flight
+    pops). Other consumers take them at once. What the
+    long round has started stays held: an outcome waiting is committed behind the
+    handler (:meth:`GroupCommit.flush`), but an attempt whose start a commit
+    stored waits for its turn (with starts written with their outcomes,
+    ``record_start_after``, only a step run on to has one).
     """
 
     def __init__(
@@ -207,38 +221,123 @@ class GroupedStepMessages(StepMessages):
         self.prefetch = prefetch
         self.group = GroupCommit(consumer, self._finished, self._held)
         self._later: list[tuple[float, Delivery]] = []  # deliveries whose start could not be stored, and when to retry
+        self._io = threading.Lock()  # the broker's connection: this thread between rounds, the pulse thread in one
+        # Read from the broker, not started yet, each with what starts it; under _io.
+        self._taken: list[tuple[Any, Callable[[], None]]] = []
+        self._consumers: list[Any] = []
+        self._cancelled = False  # the consumers were cancelled behind a long round: consume again after it
 
     def get_consumers(self, consumer: Callable[..., Any], channel: Any) -> list[Any]:
         return [consumer(self.queues, on_message=self.on_delivery, accept=["json"], prefetch_count=self.prefetch)]
 
     def consume(self, limit: Any = None, timeout: Any = None, safety_interval: float = 1, **kwargs: Any) -> Any:
         """kombu's loop, in rounds: the deliveries held go on, then the broker is read, without waiting while any is held."""
-        with self.consumer_context(**kwargs) as (conn, _channel, _consumers):
+        # What was read on a connection lost since is delivered again; the consumers made
+        # next may be sent messages before they are handed over.
+        self._taken, self._cancelled = [], False
+        with self.consumer_context(**kwargs) as (conn, _channel, consumers):
+            self._consumers = consumers
             while not self.should_stop or len(self.group):
                 self.on_iteration()
-                self._retry_due()
-                self.group.work()
+                self._round()
                 if self.should_stop:
                     continue  # finishing what is held; what the broker sends now is handed back
                 wait = 0.0 if len(self.group) else self._idle_wait(safety_interval)
-                try:
-                    conn.drain_events(timeout=wait)
-                    for _ in range(self.prefetch - 1):  # what else has come, into the same round
-                        conn.drain_events(timeout=0)
-                except TimeoutError:
-                    pass
-                except OSError:
-                    if not self.should_stop:
-                        raise
-                conn.heartbeat_check()  # the broker's heartbeats, busy or not (a clock read when none is due)
+                with self._io:
+                    try:
+                        if self._cancelled:
+                            self._cancelled = False
+                            for each in consumers:
+                                each.consume()
+                        conn.drain_events(timeout=wait)
+                        for _ in range(self.prefetch - 1):  # what else has come, into the same round
+                            conn.drain_events(timeout=0)
+                    except TimeoutError:
+                        pass
+                    except OSError:
+                        if not self.should_stop:
+                            raise
+                    conn.heartbeat_check()  # the broker's heartbeats, busy or not (a clock read when none is due)
                 yield
 
-    def _step(self, step: StepMessage, message: Any) -> None:
-        if self.should_stop:
-            message.requeue()  # taken in the same read as the stop: for another consumer
+    def _round(self) -> None:
+        """Start what was read, and let the deliveries held go on: their handlers run here."""
+        if not (len(self.group) or self._taken or self._later):
             return
+        behind = _GiveBack(self)
+        PULSES.add(behind, time.monotonic() + GIVE_BACK_AFTER)
+        try:
+            self._retry_due()
+            while True:
+                with self._io:
+                    if not self._taken:
+                        break
+                    message, start = self._taken.pop(0)
+                    if self.should_stop:
+                        message.requeue()  # for another consumer
+                        continue
+                start()
+            self.group.work()
+        finally:
+            behind.stop()
+
+    def give_back(self, behind: _GiveBack) -> bool:
+        """The pulse thread, a round having run long: what nothing is stored of goes back to the broker.
+
+        False when this thread was using the connection (the round may be just
+        over): to be tried again shortly, unless the round is over by then.
+        """
+        if not self._io.acquire(blocking=False):
+            return False
+        try:
+            if behind.stopped:
+                return True
+            self._hold_back()
+            taken, self._taken = self._taken, []
+            for message, _start in taken:
+                message.reject(requeue=True)
+            if taken:
+                log.info("%d step message(s) given back behind a long step", len(taken))
+        except (*self.connection.connection_errors, *self.connection.channel_errors) as lost:
+            # Whatever was read on that connection goes back to the queue once the broker sees it gone.
+            log.warning("could not give back the step messages held behind a long step: %s", lost)
+        finally:
+            self._io.release()
+        return True
+
+    def _hold_back(self) -> None:
+        """What the broker sends this process until the round ends comes into ``_taken`` now (under ``_io``)."""
+        driver = self.connection.transport.driver_type
+        if driver == "amqp" and not self._cancelled:
+            self._cancelled = True  # consuming again after the round
+            # Within a bound: a broker gone silent must not hold the pulse thread, which beats for every attempt here.
+            with self.connection.connection.transport.having_timeout(CANCEL_WITHIN):
+                for each in self._consumers:
+                    each.cancel()  # what was sent before the cancel's answer is read on the way
+        elif driver == "redis":
+            # kombu's Redis channel leaves a BRPOP in flight between reads; a message it pops is
+            # this process's. Its answer comes within the BRPOP's timeout (a second); no other
+            # is sent until the next read.
+            channel = self._consumers[0].channel if self._consumers else None
+            if channel is not None and getattr(channel, "_in_poll", None):
+                try:
+                    channel._brpop_read()
+                except Empty:
+                    pass
+
+    def _step(self, step: StepMessage, message: Any) -> None:
+        """Read from the broker (under ``_io``): started in the next round."""
         hard, _soft = message.headers.get("timelimit") or (None, None)
-        self._start(Delivery(message, step, str(message.headers.get("id") or message.delivery_tag), hard))
+        delivery = Delivery(message, step, str(message.headers.get("id") or message.delivery_tag), hard)
+        self._taken.append((message, functools.partial(self._start, delivery)))
+
+    def _alarm(self, alarm: Alarm, message: Any) -> None:
+        """Read from the broker (under ``_io``): delivered in the next round, on this thread."""
+        self._taken.append((message, functools.partial(super()._alarm, alarm, message)))
+
+    def _ack(self, message: Any) -> None:
+        with self._io:
+            message.ack()
 
     def _start(self, delivery: Delivery) -> None:
         soft = (delivery.message.headers.get("timelimit") or (None, None))[1]
@@ -260,7 +359,7 @@ class GroupedStepMessages(StepMessages):
             # patience: the sweeps take the attempt over, as after a Celery task that raised.
             log.error("step message failed", exc_info=exc, extra={"task_id": flight.message.task_id})
         try:
-            delivery.message.ack()
+            self._ack(delivery.message)
         except (*self.connection.connection_errors, *self.connection.channel_errors) as lost:
             # Taken on a connection since lost: the broker delivers it again, and it is dropped as stale.
             log.warning("step message not acknowledged, its connection is gone: %s", lost)
@@ -288,6 +387,35 @@ class GroupedStepMessages(StepMessages):
         if not self._later:
             return longest
         return max(0.0, min(longest, min(at for at, _ in self._later) - time.monotonic()))
+
+
+# A round of a consumer process holding several deliveries gives back what it has not
+# started once it has run this long: about the wait of an outcome behind a long handler
+# (shared.group_commit.FLUSH_AFTER).
+GIVE_BACK_AFTER = 0.05
+# The pulse thread found the connection in use as a round ended: it looks again this soon.
+GIVE_BACK_AGAIN = 0.005
+# RabbitMQ answers a consumer's cancel within this, or its connection counts as lost.
+CANCEL_WITHIN = 5.0
+
+
+class _GiveBack:
+    """A pulse (:class:`shared.consumer.Pulses`) that gives back what a long round holds, unless stopped first."""
+
+    task_id: str | None = None
+    interval = GIVE_BACK_AFTER
+
+    def __init__(self, messages: GroupedStepMessages) -> None:
+        self.messages = messages
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def beat(self) -> float | None:
+        if self.stopped or self.messages.give_back(self):
+            return None
+        return time.monotonic() + GIVE_BACK_AGAIN
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ their transitions committed together, killed while it holds them. Real processes
   as it would have.
 - A held delivery whose start is stored, waiting many heartbeat intervals behind a long
   handler: its heartbeats keep it alive, and it runs once.
+- Deliveries nothing is stored of, sent to a process whose handler runs long, or read
+  with that step: given back to the broker, other processes run them meanwhile.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from shared.states import STOPPED
 from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
 from tests.e2e.stack import Stack
@@ -64,7 +67,12 @@ def stop_worker(stack: Stack) -> None:
 
 def submit_together(stack: Stack, flow: str, parameters: list[dict[str, Any]]) -> list[str]:
     """Published together, while no worker runs: the worker started next is sent them at once."""
-    body = {"tasks": [{"flow": flow, "parameters": p} for p in parameters]}
+    return submit_batch(stack, [(flow, p) for p in parameters])
+
+
+def submit_batch(stack: Stack, tasks: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Tasks of several flows, published together (flow, parameters)."""
+    body = {"tasks": [{"flow": flow, "parameters": p} for flow, p in tasks]}
     response = httpx.post(stack.url + "/api/batches", json=body, timeout=10)
     assert response.status_code in (200, 201), response.text
     return [t["task_id"] for t in response.json()["tasks"]]
@@ -147,3 +155,74 @@ def test_a_held_delivery_waiting_behind_a_long_handler_is_kept_alive_by_its_hear
     for doc in docs:
         assert doc["task_status"] == 0, doc
         assert [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]] == [(0, 1, "succeeded")], doc
+
+
+@pytest.fixture(scope="module", params=["postgres-rabbitmq", "postgres-redis"])
+def two_held(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two consumer processes holding up to eight deliveries each; the requeue sweep's copies
+    come after 30 s, so they do not run what a process holds meanwhile."""
+    env = {"ASYNCFLOW_WORKER_PREFETCH": "8"}
+    with open_stack(request.param, tmp_path_factory.mktemp("two-held"), env, []) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module", params=["postgres-rabbitmq", "postgres-redis"])
+def two_held_deferred(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """As ``two_held``, each start written with its outcome (or after a second)."""
+    env = {"ASYNCFLOW_WORKER_PREFETCH": "8", "ASYNCFLOW_RECORD_START_AFTER": "1"}
+    with open_stack(request.param, tmp_path_factory.mktemp("two-held-deferred"), env, []) as stack:
+        yield stack
+
+
+def run_beside_a_long_step(stack: Stack, gate: Path, submitted_after: bool) -> tuple[str, list[str], int]:
+    """A long step runs on one of two consumer processes; short flows come in before its gate opens.
+
+    Each short flow must end while the long step still runs. The long task's id, the
+    short ones', and the pid of the process that ran the long step.
+    """
+    long_step = ("long", {"wait_for_file": {"0": str(gate)}})
+    if submitted_after:
+        (long_id,) = submit_batch(stack, [long_step])
+    else:
+        long_id, *short_ids = submit_batch(stack, [long_step] + [("short", {})] * 12)
+    stack.spawn(WORKER, "worker", "alpha", "beta", "-c", "2")
+    try:
+        (first,) = wait_for(lambda: stack.executions(long_id) or None, 30, "the long step to start")
+        if submitted_after:
+            short_ids = submit_together(stack, "short", [{}] * 12)
+        # Held behind the long step, a short flow would wait for the gate (or the requeue sweep).
+        deadline = time.monotonic() + 15
+        docs = [stack.wait_stopped(t, timeout=max(0.1, deadline - time.monotonic())) for t in short_ids]
+        assert stack.get(long_id)["task_status"] not in STOPPED
+        gate.touch()
+        long_doc = stack.wait_stopped(long_id, timeout=60)
+    finally:
+        stop_worker(stack)
+    assert long_doc["task_status"] == 0, long_doc
+    for doc in docs:
+        assert doc["task_status"] == 0, doc
+        attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
+        assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")], attempts
+    return long_id, short_ids, first["pid"]
+
+
+def test_deliveries_sent_to_a_process_in_a_long_step_are_given_back_to_another(
+    two_held: Stack, tmp_path: Path
+) -> None:
+    """The broker keeps sending into the window of the process whose handler runs long:
+    its consumer is cancelled and what came is rejected back to the queue."""
+    _long_id, short_ids, long_pid = run_beside_a_long_step(two_held, tmp_path / "go", submitted_after=True)
+    runs = [e for t in short_ids for e in two_held.executions(t)]
+    assert [(e["cursor"], e["attempt"]) for e in runs].count((0, 1)) == len(short_ids), runs  # each ran once
+    assert long_pid not in {e["pid"] for e in runs}, runs
+
+
+def test_deliveries_read_with_a_long_step_are_given_back_to_another(
+    two_held_deferred: Stack, tmp_path: Path
+) -> None:
+    """Read in the same round as the long step, nothing stored of them yet (starts written
+    with their outcomes): given back while it runs."""
+    _long_id, short_ids, _long_pid = run_beside_a_long_step(two_held_deferred, tmp_path / "go", submitted_after=False)
+    for task_id in short_ids:
+        runs = [(e["cursor"], e["attempt"]) for e in two_held_deferred.executions(task_id)]
+        assert runs == [(0, 1), (1, 1)], runs
