@@ -244,8 +244,9 @@ class StepConsumer:
         before ``continue_until`` (on ``clock``), runs here at once instead of
         going through its queue: its start is stored in the write of the outcome
         before it, so the task shows it running, and if this process dies its
-        missed heartbeats fail it as any running attempt. What is saved is a
-        publish, a delivery, a read and a commit per step. None: every next step
+        missed heartbeats fail it as any running attempt (with starts written
+        with their outcomes, it stays queued until its own, as a delivered one
+        would). What is saved is a publish, a delivery, a read and a commit per step. None: every next step
         is published. ``on_next`` hears of each step run on to, before it starts
         (who reports the process lost must know).
 
@@ -309,7 +310,10 @@ class StepConsumer:
         metrics.observe_queue_wait(message.module, message.sent_at)
         start_after: float | None = None  # the start is recorded already
         if known is not None:
-            task = known  # its start was stored with the outcome of the step before
+            task = known  # stored with the outcome of the step before: started, or queued for its outcome to start
+            assert task.active is not None
+            if task.active.phase is Phase.QUEUED:
+                start_after = self.settings.record_start_after
         else:
             try:
                 task = self._task(message)

@@ -16,13 +16,18 @@ No round waits to fill: a transition alone is committed at once. A transition
 waits only while the handlers of the deliveries resumed before its round's
 commit run; should one of them run past FLUSH_AFTER, the process's pulse thread
 (:data:`shared.consumer.PULSES`) commits the outcomes waiting, so no finished
-attempt waits for it, and their next steps are published for other consumers.
-The deliveries held still wait for it to end: a long step holds them back. One
+attempt waits for it, and their next steps are published for other consumers,
+as are those a commit kept to run here without storing their starts (starts
+written with their outcomes, ``record_start_after``). What the consumer process
+read but did not start goes back to the broker
+(:class:`shared.messaging.consumers.GroupedStepMessages`). One held
 whose attempt's start a commit stored is running as far as the task shows, so
 from that commit until it is resumed the pulse thread sends its heartbeats, as
 it would while its handler runs: otherwise, held past three heartbeat intervals
 (behind a long handler, a handler run by a delivery just taken, or a wait for
-the database), it would be taken for lost and run again elsewhere.
+the database), it would be taken for lost and run again elsewhere. It still
+waits for the long step to end: with starts stored before their handlers run,
+a long step holds back the starts committed in its round.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.consumer import PULSES, Pulse, StepConsumer, Store
+from shared.records import evolve
 from shared.retry import reconnect_delay
 from shared.saga import Decision, Started
 from shared.service import run_on
@@ -126,27 +132,40 @@ class GroupCommit:
 
         False when there was nothing to do.
         """
-        with self._lock:
-            stored, self._stored = self._stored, deque()
-        for waiting, answer in stored:
+        resumed = False
+        while True:
+            with self._lock:  # one at a time: behind a long handler, the pulse thread hands on what is left
+                if not self._stored:
+                    break
+                waiting, answer = self._stored.popleft()
+            resumed = True
             if waiting.pulse is not None:
                 waiting.pulse.stop()  # its attempt's own pulse beats from now on
-            self._resume(waiting.flight, answer)
+            if answer is _HANDED_ON:
+                waiting.flight.steps.close()
+                self._end(waiting.flight, None)
+            else:
+                self._resume(waiting.flight, answer)
         with self._lock:
             group, self._waiting = self._waiting, []
         if group and not self._commit(group):
             self.consumer.sleep(reconnect_delay(self._failures - 1))
-        return bool(stored or group)
+        return bool(resumed or group)
 
     def flush(self) -> None:
-        """Commit the outcomes waiting now (the pulse thread, while a handler runs long).
+        """Commit the outcomes waiting now, and hand on the next steps kept here (the pulse thread,
+        while a handler runs long).
 
-        Their next steps are published rather than run here, where they would wait
-        for the long handler with their start stored and no pulse; the starts of
-        deliveries just taken wait for their turn (nothing is stored of them yet,
-        so nothing of them expires). A failure is left to the rounds.
+        The outcomes' next steps are published rather than run here, where they
+        would wait for the long handler with their start stored and no pulse; the
+        starts of deliveries just taken wait for their turn (nothing is stored of
+        them yet, so nothing of them expires). A next step a commit kept here
+        without storing its start (starts written with their outcomes) is
+        published as well, and its delivery ends without running it. A failure is
+        left to the rounds.
         """
         with self._lock:
+            self._hand_on()
             outcomes = [w for w in self._waiting if w.store.patient]
             if not outcomes:
                 return
@@ -162,6 +181,17 @@ class GroupCommit:
                     self._waiting.append(waiting)
                 else:
                     self._answered(waiting, answer)
+
+    def _hand_on(self) -> None:
+        """Publish the next steps kept here, their starts not stored, that wait for their turn (under the lock)."""
+        kept = [(waiting, _kept_queued(answer)) for waiting, answer in self._stored]
+        handed = [(waiting, message) for waiting, message in kept if message is not None]
+        if not handed:
+            return
+        self._stored = deque(entry for entry, (_, message) in zip(self._stored, kept, strict=True) if message is None)
+        self.consumer.service.publish([evolve(message, sent_at=time.time()) for _, message in handed])
+        log.info("%d next step(s) kept here published instead, behind a long step", len(handed))
+        self._stored.extend((waiting, _HANDED_ON) for waiting, _ in handed)
 
     def _commit(self, group: list[_Waiting]) -> bool:
         """Store ``group`` in one commit; False when the database was unavailable to some of it."""
@@ -218,7 +248,7 @@ class GroupCommit:
 
     def _resume(self, flight: Flight, answer: Decision | Exception | None) -> None:
         """Run ``flight`` on with ``answer`` up to its next transition, or to its end."""
-        flush = _Flush(self) if self._waiting else None
+        flush = _Flush(self) if self._waiting or self._stored else None
         if flush is not None:  # this delivery's next handler may run long: what waits must not
             PULSES.add(flush, time.monotonic() + FLUSH_AFTER)
         try:
@@ -249,10 +279,27 @@ def _running(waiting: _Waiting, answer: Decision | Exception) -> StepMessage | N
     """The step whose start ``answer`` stored for ``waiting``'s delivery to run, if it stored one."""
     if not isinstance(answer, Decision) or answer.ignored:
         return None
+    active = answer.task.active
+    if active is None or active.phase is not Phase.RUNNING:
+        return None  # a next step kept here with its start to be written with its outcome, say
     if isinstance(waiting.store.change.event, Started):
-        active = answer.task.active
-        return waiting.flight.message if active is not None and active.phase is Phase.RUNNING else None
+        return waiting.flight.message
     return run_on(answer)  # an outcome that started the flow's next step here
+
+
+def _kept_queued(answer: Decision | Exception | None) -> StepMessage | None:
+    """The next step ``answer`` kept here without storing its start: nothing of it is stored as running."""
+    if not isinstance(answer, Decision) or answer.kept is None:
+        return None
+    active = answer.task.active
+    return answer.kept if active is not None and active.phase is Phase.QUEUED else None
+
+
+class _HandedOn(Exception):
+    """In place of a delivery's answer: its next step was handed on (:meth:`GroupCommit.flush`), it ends here."""
+
+
+_HANDED_ON = _HandedOn()
 
 
 def _send(steps: Generator[Store, Decision, None], answer: Decision | Exception | None) -> Store:

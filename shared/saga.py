@@ -212,6 +212,8 @@ class Decision:
     messages: tuple[StepMessage, ...] = ()
     alarms: tuple[Alarm, ...] = ()
     ignored: str | None = None  # set when a step event was stale and changed nothing
+    # The one of ``messages`` its caller runs itself, not published (shared.service.TaskService.apply's ``keep``).
+    kept: StepMessage | None = None
 
 
 def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING) -> Decision:

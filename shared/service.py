@@ -281,8 +281,11 @@ class TaskService:
         ``keep`` lets the caller run a message of the decision itself (a consumer
         running the next step at once): the first one it answers True for is not
         published, and its start is stored with this transition, in the same
-        write, so the task shows it running from the moment it is committed.
-        :func:`run_on` finds it in the returned decision.
+        write, so the task shows it running from the moment it is committed;
+        unless starts are written with their outcomes (``start_recorded_within``):
+        it then stays queued, as a delivered message would until its outcome, and
+        the caller may still hand it on (:meth:`publish`). :func:`run_on` finds it
+        in the returned decision.
         """
         step = _Step(self, Change(task_id, event, known, worker, keep), self.clock())
 
@@ -419,14 +422,7 @@ class TaskService:
                 if message is not carried:
                     # A first step published by the sweep (a batch's) carries its task as a submit's does.
                     messages.append(with_copy(message, task, before.version + 1) if message.seq == 1 else message)
-        if len(messages) == 1:
-            try:
-                self.publisher.publish(messages[0])
-            except Exception as exc:
-                self._publish_failed(messages[0], exc)
-        elif messages:  # on RabbitMQ their confirms are waited for once
-            for message, error in self.publisher.publish_many(messages):
-                self._publish_failed(message, error)
+        self.publish(messages)
         for _, decision in changed:
             for alarm in decision.alarms:
                 metrics.ALARMS.labels(alarm.flow, alarm.module).inc()
@@ -442,6 +438,17 @@ class TaskService:
                     self.publisher.alarm(alarm)
                 except Exception:
                     log.exception("delivering the alarm failed", extra={"task_id": alarm.task_id})
+
+    def publish(self, messages: Sequence[StepMessage]) -> None:
+        """Publish ``messages``, whose transitions are stored; one the broker refuses is published again soon."""
+        if len(messages) == 1:
+            try:
+                self.publisher.publish(messages[0])
+            except Exception as exc:
+                self._publish_failed(messages[0], exc)
+        elif messages:  # on RabbitMQ their confirms are waited for once
+            for message, error in self.publisher.publish_many(messages):
+                self._publish_failed(message, error)
 
     def _publish_failed(self, message: StepMessage, exc: Exception) -> None:
         """The transition is committed, the message is not: the sweep publishes it again."""
@@ -554,10 +561,12 @@ class _Step:
         kept = next((m for m in decision.messages if change.keep is not None and change.keep(m)), None)
         if decision.ignored or kept is None:
             return decision
+        if timing.start_recorded_within > 0:
+            return evolve(decision, kept=kept)  # its start is written with its outcome, as a delivered one's
         start = Started(kept.seq, heartbeats=True)
         self._carried = _attempt_record(decision.task, start, now, timing, change.worker)
         assert self._carried is not None, "a start always has an attempt record"
-        return evolve(decision, task=decide(decision.task, start, now, timing).task)
+        return evolve(decision, task=decide(decision.task, start, now, timing).task, kept=kept)
 
     def save(self, task: Task, decision: Decision) -> Save | None:
         """What to store for ``decision`` made on ``task``; None when it changes nothing."""
@@ -583,11 +592,8 @@ def with_copy(message: StepMessage, task: Task, version: int) -> StepMessage:
 
 
 def run_on(decision: Decision) -> StepMessage | None:
-    """The message of ``decision`` whose start was stored with it: the caller runs it (see ``keep``)."""
-    active = decision.task.active
-    if active is None or active.phase is not Phase.RUNNING:
-        return None
-    return next((m for m in decision.messages if m.seq == active.seq), None)
+    """The message of ``decision`` its caller runs itself, not published (see ``keep``)."""
+    return decision.kept
 
 
 def _attempt_record(

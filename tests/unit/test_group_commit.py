@@ -23,7 +23,7 @@ from shared.group_commit import FLUSH_AFTER, Flight, GroupCommit
 from shared.logs import AttemptFields, attempt_context, current_attempt
 from shared.module import Module, StepContext
 from shared.saga import Cancel, Heartbeat
-from shared.states import TaskStatus
+from shared.states import Phase, TaskStatus
 from shared.storage import InMemoryStore, StorageUnavailable
 from shared.storage.base import Save
 from shared.task import StepMessage
@@ -125,16 +125,17 @@ SUBMISSIONS = st.lists(st.tuples(st.sampled_from(["three", "noop", "short"]), PA
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(submissions=SUBMISSIONS, holding=st.integers(2, 8))
+@given(submissions=SUBMISSIONS, holding=st.integers(2, 8), start_after=st.sampled_from([0.0, 1.0]))
 def test_flows_held_together_store_what_each_alone_stores(
-    submissions: list[tuple[str, dict[str, Any]]], holding: int
+    submissions: list[tuple[str, dict[str, Any]]], holding: int, start_after: float
 ) -> None:
-    """Successes, failures, retries, polls and rollbacks: the same tasks and attempt logs."""
-    alone = harness()
+    """Successes, failures, retries, polls and rollbacks: the same tasks and attempt logs,
+    with starts stored before the handlers run or with their outcomes."""
+    alone = harness(record_start_after=start_after)
     alone_ids = submit_all(alone, submissions)
     run_alone(alone)
 
-    grouped = harness()
+    grouped = harness(record_start_after=start_after)
     grouped_ids = submit_all(grouped, submissions)
     ended = run_grouped(grouped, holding)
 
@@ -404,22 +405,39 @@ def test_a_held_delivery_whose_start_is_stored_sends_heartbeats_while_it_waits_i
     assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2
 
 
-def test_held_deliveries_started_here_send_heartbeats_while_a_delivery_just_taken_runs_its_handler() -> None:
-    """With the start recorded with the outcome (record_start_after), taking a delivery runs its handler."""
-    h = harness(
-        {"alpha": Module("alpha"), "beta": Module("beta")}, heartbeat_interval=0.05, record_start_after=1.0
-    )
-    ran: list[str] = []
+def test_with_starts_written_with_outcomes_next_steps_kept_here_are_handed_on_behind_a_long_handler() -> None:
+    """A commit keeps the next steps of two flows to run here, their starts not stored (to be
+    written with their outcomes); a delivery taken next runs long: both are published for other
+    consumers while it runs, and end here without running."""
+    h = harness({"alpha": Module("alpha"), "beta": Module("beta")}, record_start_after=1.0)
+    ran: list[tuple[str, int]] = []
     first, second, taken = submit_all(h, [("short", {}), ("short", {}), ("short", {"long": True})])
-    beaten = heartbeats_counted(h, [first, second], seq=2)  # step 1, started here by step 0's outcome
-    long_and_quick_steps(h, 0, beaten, ran)
+
+    def handler(step: int) -> Any:
+        def run(ctx: StepContext) -> None:
+            ran.append((ctx.task_id, step))
+            if ctx.parameters.get("long") and step == 0:
+                deadline = time.monotonic() + 5.0
+                while len(h.publisher.messages) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+
+        return run
+
+    h.consumer.modules["alpha"].command("step")(handler(0))
+    h.consumer.modules["beta"].command("step")(handler(1))
     group = GroupCommit(h.consumer, lambda flight, exc: None)
     take(h, group, 2)
-    group.work()  # their outcomes, each starting step 1 here
-    assert [h.service.get(t).active.seq for t in (first, second)] == [2, 2]  # type: ignore[union-attr]
+    group.work()  # their outcomes, each keeping step 1 here, still queued
+    assert [h.service.get(t).active.phase for t in (first, second)] == [Phase.QUEUED] * 2  # type: ignore[union-attr]
+    assert [(m.task_id, m.cursor) for m in h.publisher.messages] == [(taken, 0)], "kept here, not published"
     take(h, group, 1)  # its step 0 runs now, long
     while len(group):
         group.work()
+    assert sorted((m.task_id, m.cursor) for m in h.publisher.messages) == sorted([(first, 1), (second, 1)])
+    assert (first, 1) not in ran and (second, 1) not in ran
+    take(h, group, 2)
+    while len(group):
+        group.work()
 
-    assert beaten.is_set(), "no heartbeats for the deliveries held while another's handler ran"
     assert [h.service.get(t).status for t in (first, second, taken)] == [TaskStatus.SUCCESS] * 3
+    assert sorted(ran) == sorted((t, step) for t in (first, second, taken) for step in (0, 1))
