@@ -207,11 +207,12 @@ class GroupedStepMessages(StepMessages):
     gives back what nothing is stored of: the deliveries read but not started
     yet, and those the broker sends meanwhile (RabbitMQ's, as the consumer is
     cancelled until the round ends; on Redis, the message a BRPOP left in flight
-    pops). Other consumers take them at once. What the
-    long round has started stays held: an outcome waiting is committed behind the
-    handler (:meth:`GroupCommit.flush`), but an attempt whose start a commit
-    stored waits for its turn (with starts written with their outcomes,
-    ``record_start_after``, only a step run on to has one).
+    pops). Other consumers take them at once. What the long round has started
+    is handed on by :meth:`GroupCommit.flush`: outcomes waiting are committed and
+    their next steps published, and so are the next steps a commit kept here
+    without storing their starts. Only an attempt whose start a commit stored
+    waits for its turn, which happens only with starts stored before their
+    handlers run (``record_start_after`` 0, the default).
     """
 
     def __init__(
