@@ -8,6 +8,9 @@ their transitions committed together, killed while it holds them. Real processes
   other deliveries held: the broker delivers what was not acknowledged again, the
   attempts whose start was stored expire when their heartbeats stop, and every flow ends
   as it would have.
+- With starts written with their outcomes, the worker killed in a step run on to: the
+  next steps kept, never published, are published by the requeue sweep; the cut-off one
+  runs again as the same attempt.
 - A held delivery whose start is stored, waiting many heartbeat intervals behind a long
   handler: its heartbeats keep it alive, and it runs once.
 - Deliveries nothing is stored of, sent to a process whose handler runs long, or read
@@ -134,6 +137,39 @@ def test_a_worker_killed_between_a_handlers_end_and_the_commit_loses_no_flow_it_
     attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in docs[1]["attempts"]]
     # Its handler did the work; the outcome was never committed: the attempt expired and ran again.
     assert attempts == [(0, 1, "succeeded"), (1, 1, "expired"), (1, 2, "succeeded")], attempts
+
+
+@pytest.fixture(scope="module")
+def held_deferred(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """As ``held``, each start written with its outcome (or after a second)."""
+    env = ENV | {"ASYNCFLOW_RECORD_START_AFTER": "1"}
+    with open_stack("postgres-rabbitmq", tmp_path_factory.mktemp("held-deferred"), env, []) as stack:
+        yield stack
+
+
+def test_a_worker_killed_in_a_step_run_on_with_starts_unstored_loses_no_flow_it_held(
+    held_deferred: Stack, tmp_path: Path
+) -> None:
+    """Starts written with their outcomes: the next steps a commit kept here stay queued and are
+    never published. Once the worker is gone the requeue sweep publishes them; the one whose
+    handler did its work and was killed before its outcome runs again as the same attempt."""
+    marker = tmp_path / "killed"
+    parameters: list[dict[str, Any]] = [{}, {"kill_worker_after": {"1": str(marker)}}, {}, {}]
+    task_ids = submit_together(held_deferred, "short", parameters)
+    worker = start_worker(held_deferred)
+    try:
+        wait_for(lambda: marker.exists() and worker.poll() is not None, 30, "the worker to die")
+        start_worker(held_deferred)
+        docs = [held_deferred.wait_stopped(t, timeout=60) for t in task_ids]
+    finally:
+        stop_worker(held_deferred)
+
+    assert [doc["task_status"] for doc in docs] == [0] * 4, docs
+    runs = [(e["cursor"], e["attempt"]) for e in held_deferred.executions(task_ids[1])]
+    assert runs == [(0, 1), (1, 1), (1, 1)], runs
+    for doc in docs:
+        attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
+        assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")], attempts
 
 
 def test_a_held_delivery_waiting_behind_a_long_handler_is_kept_alive_by_its_heartbeats(
