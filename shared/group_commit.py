@@ -142,7 +142,7 @@ class GroupCommit:
             if waiting.pulse is not None:
                 waiting.pulse.stop()  # its attempt's own pulse beats from now on
             if answer is _HANDED_ON:
-                waiting.flight.steps.close()
+                waiting.flight.context.run(waiting.flight.steps.close)  # its logging context, as it was made in
                 self._end(waiting.flight, None)
             else:
                 self._resume(waiting.flight, answer)

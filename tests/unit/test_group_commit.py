@@ -405,6 +405,34 @@ def test_a_held_delivery_whose_start_is_stored_sends_heartbeats_while_it_waits_i
     assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2
 
 
+def test_a_step_kept_after_a_step_run_on_is_handed_on_in_its_own_logging_context() -> None:
+    """Three-step flows: the step handed on follows a step run on to, whose logging context
+    its delivery is paused in; ending it there must not disturb the thread's own."""
+    h = harness({"alpha": Module("alpha"), "beta": Module("beta")}, record_start_after=1.0)
+    first, second, taken = submit_all(h, [("noop", {}), ("noop", {}), ("short", {"long": True})])
+
+    @h.consumer.modules["alpha"].command("step")
+    def step(ctx: StepContext) -> None:
+        deadline = time.monotonic() + 5.0
+        while ctx.parameters.get("long") and len(h.publisher.messages) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    h.consumer.modules["beta"].command("step")(lambda ctx: None)
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    take(h, group, 2)
+    group.work()  # step 0's outcomes, step 1 kept here
+    group.work()  # step 1 run on to, its outcomes, step 2 kept here
+    take(h, group, 1)  # its step 0 runs now, long: both steps 2 are handed on
+    while len(group):
+        group.work()
+    assert sorted((m.task_id, m.cursor) for m in h.publisher.messages) == sorted([(first, 2), (second, 2)])
+    assert current_attempt() is None
+    take(h, group, 2)
+    while len(group):
+        group.work()
+    assert [h.service.get(t).status for t in (first, second, taken)] == [TaskStatus.SUCCESS] * 3
+
+
 def test_with_starts_written_with_outcomes_next_steps_kept_here_are_handed_on_behind_a_long_handler() -> None:
     """A commit keeps the next steps of two flows to run here, their starts not stored (to be
     written with their outcomes); a delivery taken next runs long: both are published for other
