@@ -110,8 +110,15 @@ class StepMessages(ConsumerMixin):
         self.stopping.set()  # cuts a retry's pause short
         wake_for_stop()
 
+    prefetch = 1
+
     def get_consumers(self, consumer: Callable[..., Any], channel: Any) -> list[Any]:
-        return [consumer(self.queues, on_message=self.on_delivery, accept=["json"], prefetch_count=1)]
+        made = consumer(self.queues, on_message=self.on_delivery, accept=["json"])
+        # For the channel, not for each queue: RabbitMQ gives each consumer its own window, and
+        # kombu makes one per queue, so a process serving two modules held a message of each
+        # (the second waiting behind a long step of the first).
+        made.qos(prefetch_count=self.prefetch, apply_global=True)
+        return [made]
 
     def on_delivery(self, message: Any) -> None:
         """A message as kombu receives it, its body not decoded yet."""
@@ -227,9 +234,6 @@ class GroupedStepMessages(StepMessages):
         self._taken: list[tuple[Any, Callable[[], None]]] = []
         self._consumers: list[Any] = []
         self._cancelled = False  # the consumers were cancelled behind a long round: consume again after it
-
-    def get_consumers(self, consumer: Callable[..., Any], channel: Any) -> list[Any]:
-        return [consumer(self.queues, on_message=self.on_delivery, accept=["json"], prefetch_count=self.prefetch)]
 
     def consume(self, limit: Any = None, timeout: Any = None, safety_interval: float = 1, **kwargs: Any) -> Any:
         """kombu's loop, in rounds: the deliveries held go on, then the broker is read, without waiting while any is held."""

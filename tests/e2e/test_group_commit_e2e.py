@@ -210,6 +210,14 @@ def two_held_deferred(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
         yield stack
 
 
+@pytest.fixture(scope="module", params=["postgres-rabbitmq", "postgres-redis"])
+def two_single(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two consumer processes taking one delivery at a time (the default), each step through its queue."""
+    env = {"ASYNCFLOW_CONTINUE_WITHIN": "0"}
+    with open_stack(request.param, tmp_path_factory.mktemp("two-single"), env, []) as stack:
+        yield stack
+
+
 def run_beside_a_long_step(stack: Stack, gate: Path, submitted_after: bool) -> tuple[str, list[str], int]:
     """A long step runs on one of two consumer processes; short flows come in before its gate opens.
 
@@ -262,3 +270,11 @@ def test_deliveries_read_with_a_long_step_are_given_back_to_another(
     for task_id in short_ids:
         runs = [(e["cursor"], e["attempt"]) for e in two_held_deferred.executions(task_id)]
         assert runs == [(0, 1), (1, 1)], runs
+
+
+def test_a_process_in_a_long_step_of_one_module_holds_no_message_of_another(two_single: Stack, tmp_path: Path) -> None:
+    """One delivery at a time is one for the process: the broker sends a process consuming two
+    modules' queues nothing more while its step of one of them runs."""
+    _long_id, short_ids, long_pid = run_beside_a_long_step(two_single, tmp_path / "go", submitted_after=True)
+    runs = [e for t in short_ids for e in two_single.executions(t)]
+    assert long_pid not in {e["pid"] for e in runs}, runs
