@@ -234,12 +234,13 @@ class GroupedStepMessages(StepMessages):
         self._taken: list[tuple[Any, Callable[[], None]]] = []
         self._consumers: list[Any] = []
         self._cancelled = False  # the consumers were cancelled behind a long round: consume again after it
+        self._broken = False  # giving back failed on the connection: it is made again
 
     def consume(self, limit: Any = None, timeout: Any = None, safety_interval: float = 1, **kwargs: Any) -> Any:
         """kombu's loop, in rounds: the deliveries held go on, then the broker is read, without waiting while any is held."""
         # What was read on a connection lost since is delivered again; the consumers made
         # next may be sent messages before they are handed over.
-        self._taken, self._cancelled = [], False
+        self._taken, self._cancelled, self._broken = [], False, False
         with self.consumer_context(**kwargs) as (conn, _channel, consumers):
             self._consumers = consumers
             while not self.should_stop or len(self.group):
@@ -250,6 +251,8 @@ class GroupedStepMessages(StepMessages):
                 wait = 0.0 if len(self.group) else self._idle_wait(safety_interval)
                 with self._io:
                     try:
+                        if self._broken:
+                            raise ConnectionError("the broker's connection failed as messages were given back")
                         if self._cancelled:
                             self._cancelled = False
                             for each in consumers:
@@ -279,39 +282,48 @@ class GroupedStepMessages(StepMessages):
                         break
                     message, start = self._taken.pop(0)
                     if self.should_stop:
-                        message.requeue()  # for another consumer
+                        self._requeue(message)
                         continue
                 start()
             self.group.work()
         finally:
             behind.stop()
 
-    def give_back(self, behind: _GiveBack) -> bool:
-        """The pulse thread, a round having run long: what nothing is stored of goes back to the broker.
+    def give_back(self, behind: _GiveBack) -> float | None:
+        """The pulse thread, a round having run long: outcomes waiting are committed, and what
+        nothing is stored of goes back to the broker.
 
-        False when this thread was using the connection (the round may be just
-        over): to be tried again shortly, unless the round is over by then.
+        When to look again (monotonic), or None: this thread was using the
+        connection (the round may be just over), or Redis's BRPOP in flight has
+        not answered yet.
         """
+        self.group.flush()  # what the round waits on may be no handler of a step (an alarm's command)
         if not self._io.acquire(blocking=False):
-            return False
+            return time.monotonic() + GIVE_BACK_AGAIN
         try:
             if behind.stopped:
-                return True
-            self._hold_back()
+                return None
+            done = self._hold_back()
             taken, self._taken = self._taken, []
             for message, _start in taken:
                 message.reject(requeue=True)
             if taken:
                 log.info("%d step message(s) given back behind a long step", len(taken))
+            return None if done else time.monotonic() + GIVE_BACK_AFTER
         except (*self.connection.connection_errors, *self.connection.channel_errors) as lost:
-            # Whatever was read on that connection goes back to the queue once the broker sees it gone.
+            # A cancel unanswered may leave the consumer neither cancelled nor consuming: the
+            # connection is dropped and made again, and what it delivered goes back to the queue.
             log.warning("could not give back the step messages held behind a long step: %s", lost)
+            self._broken = True
+            return None
         finally:
             self._io.release()
-        return True
 
-    def _hold_back(self) -> None:
-        """What the broker sends this process until the round ends comes into ``_taken`` now (under ``_io``)."""
+    def _hold_back(self) -> bool:
+        """What the broker sends this process until the round ends comes into ``_taken`` now (under ``_io``).
+
+        False while Redis's BRPOP in flight has not answered: not waited for here.
+        """
         driver = self.connection.transport.driver_type
         if driver == "amqp" and not self._cancelled:
             self._cancelled = True  # consuming again after the round
@@ -321,14 +333,17 @@ class GroupedStepMessages(StepMessages):
                     each.cancel()  # what was sent before the cancel's answer is read on the way
         elif driver == "redis":
             # kombu's Redis channel leaves a BRPOP in flight between reads; a message it pops is
-            # this process's. Its answer comes within the BRPOP's timeout (a second); no other
-            # is sent until the next read.
+            # this process's. It answers within its timeout (a second), and no other is sent
+            # until the next read: its answer is read once it has come.
             channel = self._consumers[0].channel if self._consumers else None
             if channel is not None and getattr(channel, "_in_poll", None):
+                if not channel.client.connection.can_read(timeout=0):
+                    return False
                 try:
                     channel._brpop_read()
                 except Empty:
                     pass
+        return True
 
     def _step(self, step: StepMessage, message: Any) -> None:
         """Read from the broker (under ``_io``): started in the next round."""
@@ -343,6 +358,13 @@ class GroupedStepMessages(StepMessages):
     def _ack(self, message: Any) -> None:
         with self._io:
             message.ack()
+
+    def _requeue(self, message: Any) -> None:
+        """For another consumer, as this process stops (under ``_io``)."""
+        try:
+            message.requeue()
+        except (*self.connection.connection_errors, *self.connection.channel_errors) as lost:
+            log.warning("step message not handed back, its connection is gone: %s", lost)
 
     def _start(self, delivery: Delivery) -> None:
         soft = (delivery.message.headers.get("timelimit") or (None, None))[1]
@@ -398,7 +420,7 @@ class GroupedStepMessages(StepMessages):
 # started once it has run this long: about the wait of an outcome behind a long handler
 # (shared.group_commit.FLUSH_AFTER).
 GIVE_BACK_AFTER = 0.05
-# The pulse thread found the connection in use as a round ended: it looks again this soon.
+# The pulse thread found the connection in use (a round just ended, say): it looks again this soon.
 GIVE_BACK_AGAIN = 0.005
 # RabbitMQ answers a consumer's cancel within this, or its connection counts as lost.
 CANCEL_WITHIN = 5.0
@@ -418,9 +440,7 @@ class _GiveBack:
         self.stopped = True
 
     def beat(self) -> float | None:
-        if self.stopped or self.messages.give_back(self):
-            return None
-        return time.monotonic() + GIVE_BACK_AGAIN
+        return None if self.stopped else self.messages.give_back(self)
 
 
 @dataclass(frozen=True)
