@@ -217,9 +217,10 @@ class GroupedStepMessages(StepMessages):
     pops). Other consumers take them at once. What the long round has started
     is handed on by :meth:`GroupCommit.flush`: outcomes waiting are committed and
     their next steps published, and so are the next steps a commit kept here
-    without storing their starts. Only an attempt whose start a commit stored
-    waits for its turn, which happens only with starts stored before their
-    handlers run (``record_start_after`` 0, the default).
+    without storing their starts. With starts stored before their handlers run
+    (``record_start_after`` 0, the default), the deliveries started in the long
+    step's round still wait for it: their starts are stored with its own, or
+    wait for the next commit.
     """
 
     def __init__(
