@@ -118,6 +118,13 @@ class StepMessages(ConsumerMixin):
         # kombu makes one per queue, so a process serving two modules held a message of each
         # (the second waiting behind a long step of the first).
         made.qos(prefetch_count=self.prefetch, apply_global=True)
+        version = (getattr(getattr(channel, "connection", None), "server_properties", None) or {}).get("version")
+        if isinstance(version, str) and _release(version) >= (4, 3):
+            log.warning(
+                "RabbitMQ %s makes a channel's prefetch each consumer's unless deprecated_features.permit.global_qos"
+                " is true: a consumer process serving several queues may hold a message of each",
+                version,
+            )
         return [made]
 
     def on_delivery(self, message: Any) -> None:
@@ -235,13 +242,13 @@ class GroupedStepMessages(StepMessages):
         self._taken: list[tuple[Any, Callable[[], None]]] = []
         self._consumers: list[Any] = []
         self._cancelled = False  # the consumers were cancelled behind a long round: consume again after it
-        self._broken = False  # giving back failed on the connection: it is made again
+        self._broken: BaseException | None = None  # giving back failed on the connection: it is made again
 
     def consume(self, limit: Any = None, timeout: Any = None, safety_interval: float = 1, **kwargs: Any) -> Any:
         """kombu's loop, in rounds: the deliveries held go on, then the broker is read, without waiting while any is held."""
         # What was read on a connection lost since is delivered again; the consumers made
         # next may be sent messages before they are handed over.
-        self._taken, self._cancelled, self._broken = [], False, False
+        self._taken, self._cancelled, self._broken = [], False, None
         with self.consumer_context(**kwargs) as (conn, _channel, consumers):
             self._consumers = consumers
             while not self.should_stop or len(self.group):
@@ -250,10 +257,10 @@ class GroupedStepMessages(StepMessages):
                 if self.should_stop:
                     continue  # finishing what is held; what the broker sends now is handed back
                 wait = 0.0 if len(self.group) else self._idle_wait(safety_interval)
+                if self._broken is not None:
+                    raise self._broken  # one of the transport's connection errors: kombu's loop connects again
                 with self._io:
                     try:
-                        if self._broken:
-                            raise ConnectionError("the broker's connection failed as messages were given back")
                         if self._cancelled:
                             self._cancelled = False
                             for each in consumers:
@@ -279,8 +286,8 @@ class GroupedStepMessages(StepMessages):
             self._retry_due()
             while True:
                 with self._io:
-                    if not self._taken:
-                        break
+                    if not self._taken or self._broken is not None:
+                        break  # on a connection to be dropped, what it delivered goes back to the queue
                     message, start = self._taken.pop(0)
                     if self.should_stop:
                         self._requeue(message)
@@ -291,14 +298,13 @@ class GroupedStepMessages(StepMessages):
             behind.stop()
 
     def give_back(self, behind: _GiveBack) -> float | None:
-        """The pulse thread, a round having run long: outcomes waiting are committed, and what
-        nothing is stored of goes back to the broker.
+        """The pulse thread, a round having run long: what nothing is stored of goes back to the broker.
 
-        When to look again (monotonic), or None: this thread was using the
-        connection (the round may be just over), or Redis's BRPOP in flight has
-        not answered yet.
+        None once done; else when to look again (monotonic): this thread was
+        using the connection (the round may be just over), or Redis's BRPOP in
+        flight has not answered yet. Outcomes waiting behind a long handler are
+        :meth:`GroupCommit.flush`'s.
         """
-        self.group.flush()  # what the round waits on may be no handler of a step (an alarm's command)
         if not self._io.acquire(blocking=False):
             return time.monotonic() + GIVE_BACK_AGAIN
         try:
@@ -315,7 +321,7 @@ class GroupedStepMessages(StepMessages):
             # A cancel unanswered may leave the consumer neither cancelled nor consuming: the
             # connection is dropped and made again, and what it delivered goes back to the queue.
             log.warning("could not give back the step messages held behind a long step: %s", lost)
-            self._broken = True
+            self._broken = lost
             return None
         finally:
             self._io.release()
@@ -442,6 +448,16 @@ class _GiveBack:
 
     def beat(self) -> float | None:
         return None if self.stopped else self.messages.give_back(self)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"4.3.1"`` as (4, 3, 1); what is not a number ends it."""
+    numbers = []
+    for part in version.split("."):
+        if not part.isdigit():
+            break
+        numbers.append(int(part))
+    return tuple(numbers)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from kombu.serialization import prepare_accept_content
 from shared.messaging import ALARM_TASK, JSON, LIMIT_MARGIN, STEP_TASK
 from shared.messaging import consumers as module
 from shared.messaging import running as module_running
-from shared.messaging.consumers import StepMessages
+from shared.messaging.consumers import StepMessages, _release
 from shared.messaging.running import RunningSteps
 from shared.storage import StorageUnavailable
 from shared.storage.codec import json_text
@@ -307,3 +307,9 @@ def test_a_process_holding_several_deliveries_notes_each_and_its_death_reports_e
     assert [a["task_id"] for a in pool.in_flight()] == []  # no consumer process of its own: none listed
     running.finish()
     assert "message" not in running.note_of(_pid()) and "others" not in running.note_of(_pid())
+
+
+def test_a_rabbitmq_release_is_read_as_numbers_up_to_what_is_not_one() -> None:
+    assert _release("3.10.8") < (4, 3) <= _release("4.3.0") < _release("4.10")
+    assert _release("4.3.0-rc.1") == (4, 3)
+    assert _release("unknown") == ()
