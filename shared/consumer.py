@@ -27,7 +27,7 @@ from shared.module import Handler, Module, ModuleError, PermanentError, PollLate
 from shared.records import evolve
 from shared.saga import Decision, Failed, Heartbeat, Started, Succeeded, stale
 from shared.saga import PollLater as PollLaterEvent
-from shared.service import Change, TaskNotFound, TaskService, run_on
+from shared.service import Change, TaskNotFound, TaskService
 from shared.states import Phase, StepType
 from shared.storage import StorageUnavailable, patiently
 from shared.storage.codec import task_from_row
@@ -144,6 +144,27 @@ class Pulse:
         if isinstance(event, Heartbeat):
             metrics.HEARTBEATS.labels(self.message.module).inc()
         return True
+
+
+class Once:
+    """A pulse due once: ``due`` runs on the pulse thread unless :meth:`stop` came first.
+
+    ``due`` answers when to run again (monotonic), or None. ``interval``: how
+    much later it runs again if it raised.
+    """
+
+    task_id: str | None = None
+
+    def __init__(self, due: Callable[[Once], float | None], interval: float) -> None:
+        self.due = due
+        self.interval = interval
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def beat(self) -> float | None:
+        return None if self.stopped else self.due(self)
 
 
 class Pulses:
@@ -363,7 +384,7 @@ class StepConsumer:
                 extra={"task_id": message.task_id, "seq": message.seq},
             )
             stored = None
-        following = run_on(stored) if stored is not None else None
+        following = stored.kept if stored is not None else None
         if stored is None or following is None:
             return None
         metrics.CONTINUED.labels(following.module).inc()

@@ -41,11 +41,10 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.consumer import PULSES, Pulse, StepConsumer, Store
+from shared.consumer import PULSES, Once, Pulse, StepConsumer, Store
 from shared.records import evolve
 from shared.retry import reconnect_delay
 from shared.saga import Decision, Started
-from shared.service import run_on
 from shared.states import Phase
 from shared.storage import StorageUnavailable
 from shared.task import StepMessage
@@ -184,11 +183,17 @@ class GroupCommit:
 
     def _hand_on(self) -> None:
         """Publish the next steps kept here, their starts not stored, that wait for their turn (under the lock)."""
-        kept = [(waiting, _kept_queued(answer)) for waiting, answer in self._stored]
-        handed = [(waiting, message) for waiting, message in kept if message is not None]
+        handed: list[tuple[_Waiting, StepMessage]] = []
+        staying: deque[tuple[_Waiting, Decision | Exception]] = deque()
+        for waiting, answer in self._stored:
+            message = _kept_queued(answer)
+            if message is None:
+                staying.append((waiting, answer))
+            else:
+                handed.append((waiting, message))
         if not handed:
             return
-        self._stored = deque(entry for entry, (_, message) in zip(self._stored, kept, strict=True) if message is None)
+        self._stored = staying
         self.consumer.service.publish([evolve(message, sent_at=time.time()) for _, message in handed])
         log.info("%d next step(s) kept here published instead, behind a long step", len(handed))
         self._stored.extend((waiting, _HANDED_ON) for waiting, _ in handed)
@@ -248,7 +253,7 @@ class GroupCommit:
 
     def _resume(self, flight: Flight, answer: Decision | Exception | None) -> None:
         """Run ``flight`` on with ``answer`` up to its next transition, or to its end."""
-        flush = _Flush(self) if self._waiting or self._stored else None
+        flush = Once(lambda _: self.flush(), FLUSH_AFTER) if self._waiting or self._stored else None
         if flush is not None:  # this delivery's next handler may run long: what waits must not
             PULSES.add(flush, time.monotonic() + FLUSH_AFTER)
         try:
@@ -284,7 +289,7 @@ def _running(waiting: _Waiting, answer: Decision | Exception) -> StepMessage | N
         return None  # a next step kept here with its start to be written with its outcome, say
     if isinstance(waiting.store.change.event, Started):
         return waiting.flight.message
-    return run_on(answer)  # an outcome that started the flow's next step here
+    return answer.kept  # an outcome that started the flow's next step here
 
 
 def _kept_queued(answer: Decision | Exception | None) -> StepMessage | None:
@@ -308,22 +313,3 @@ def _send(steps: Generator[Store, Decision, None], answer: Decision | Exception 
     if isinstance(answer, Exception):
         return steps.throw(answer)
     return steps.send(answer)
-
-
-class _Flush:
-    """A pulse (:class:`shared.consumer.Pulses`) that commits what waits, once, unless stopped first."""
-
-    task_id: str | None = None
-    interval = FLUSH_AFTER
-
-    def __init__(self, group: GroupCommit) -> None:
-        self.group = group
-        self.stopped = False
-
-    def stop(self) -> None:
-        self.stopped = True
-
-    def beat(self) -> float | None:
-        if not self.stopped:
-            self.group.flush()
-        return None

@@ -284,8 +284,8 @@ class TaskService:
         write, so the task shows it running from the moment it is committed;
         unless starts are written with their outcomes (``start_recorded_within``):
         it then stays queued, as a delivered message would until its outcome, and
-        the caller may still hand it on (:meth:`publish`). :func:`run_on` finds it
-        in the returned decision.
+        the caller may still hand it on (:meth:`publish`). ``Decision.kept`` names
+        it in the returned decision.
         """
         step = _Step(self, Change(task_id, event, known, worker, keep), self.clock())
 
@@ -413,7 +413,7 @@ class TaskService:
                     "task finished",
                     extra={"task_id": task.task_id, "flow": task.flow, "status": task.status.label},
                 )
-            carried = run_on(decision)
+            carried = decision.kept
             for message in decision.messages:
                 if message.type is StepType.ROLLBACK and message.attempt == 1:
                     metrics.ROLLBACKS.labels(message.flow, message.module).inc()
@@ -589,11 +589,6 @@ def with_copy(message: StepMessage, task: Task, version: int) -> StepMessage:
     """``message`` carrying ``task`` as stored at ``version`` (``StepMessage.known``): its
     consumer starts the step on that copy, without a read."""
     return evolve(message, known=task_fields(task) | {"version": version})
-
-
-def run_on(decision: Decision) -> StepMessage | None:
-    """The message of ``decision`` its caller runs itself, not published (see ``keep``)."""
-    return decision.kept
 
 
 def _attempt_record(

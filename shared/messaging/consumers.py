@@ -47,7 +47,7 @@ from kombu.connection import Connection
 from kombu.entity import Queue
 from kombu.mixins import ConsumerMixin
 
-from shared.consumer import PULSES, StepConsumer
+from shared.consumer import PULSES, Once, StepConsumer
 from shared.group_commit import Flight, GroupCommit
 from shared.logs import AttemptFields, attempt_context
 from shared.messaging import ALARM_TASK, JSON, LIMIT_MARGIN, STEP_TASK
@@ -280,7 +280,7 @@ class GroupedStepMessages(StepMessages):
         """Start what was read, and let the deliveries held go on: their handlers run here."""
         if not (len(self.group) or self._taken or self._later):
             return
-        behind = _GiveBack(self)
+        behind = Once(self.give_back, GIVE_BACK_AFTER)
         PULSES.add(behind, time.monotonic() + GIVE_BACK_AFTER)
         try:
             self._retry_due()
@@ -297,7 +297,7 @@ class GroupedStepMessages(StepMessages):
         finally:
             behind.stop()
 
-    def give_back(self, behind: _GiveBack) -> float | None:
+    def give_back(self, behind: Once) -> float | None:
         """The pulse thread, a round having run long: what nothing is stored of goes back to the broker.
 
         None once done; else when to look again (monotonic): this thread was
@@ -431,23 +431,6 @@ GIVE_BACK_AFTER = 0.05
 GIVE_BACK_AGAIN = 0.005
 # RabbitMQ answers a consumer's cancel within this, or its connection counts as lost.
 CANCEL_WITHIN = 5.0
-
-
-class _GiveBack:
-    """A pulse (:class:`shared.consumer.Pulses`) that gives back what a long round holds, unless stopped first."""
-
-    task_id: str | None = None
-    interval = GIVE_BACK_AFTER
-
-    def __init__(self, messages: GroupedStepMessages) -> None:
-        self.messages = messages
-        self.stopped = False
-
-    def stop(self) -> None:
-        self.stopped = True
-
-    def beat(self) -> float | None:
-        return None if self.stopped else self.messages.give_back(self)
 
 
 def _release(version: str) -> tuple[int, ...]:
