@@ -117,21 +117,28 @@ def test_a_consumer_process_killed_holding_several_deliveries_has_each_reported_
     assert sum("while it ran another step" in e for e in errors) == 2, errors
 
 
+def killed_after_step_1_of_the_second(stack: Stack, tmp_path: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """Four ``short`` flows held together; the second's step 1 does its work, then kills the whole
+    worker before its outcome is stored. A worker started again ends them all (checked): their
+    ids and documents."""
+    marker = tmp_path / "killed"
+    parameters: list[dict[str, Any]] = [{}, {"kill_worker_after": {"1": str(marker)}}, {}, {}]
+    task_ids = submit_together(stack, "short", parameters)
+    worker = start_worker(stack)
+    try:
+        wait_for(lambda: marker.exists() and worker.poll() is not None, 30, "the worker to die")
+        start_worker(stack)
+        docs = [stack.wait_stopped(t, timeout=60) for t in task_ids]
+    finally:
+        stop_worker(stack)
+    assert [doc["task_status"] for doc in docs] == [0] * 4, docs
+    return task_ids, docs
+
+
 def test_a_worker_killed_between_a_handlers_end_and_the_commit_loses_no_flow_it_held(
     held: Stack, tmp_path: Path
 ) -> None:
-    marker = tmp_path / "killed"
-    parameters: list[dict[str, Any]] = [{}, {"kill_worker_after": {"1": str(marker)}}, {}, {}]
-    task_ids = submit_together(held, "short", parameters)
-    worker = start_worker(held)
-    try:
-        wait_for(lambda: marker.exists() and worker.poll() is not None, 30, "the worker to die")
-        start_worker(held)
-        docs = [held.wait_stopped(t, timeout=60) for t in task_ids]
-    finally:
-        stop_worker(held)
-
-    assert [doc["task_status"] for doc in docs] == [0] * 4, docs
+    task_ids, docs = killed_after_step_1_of_the_second(held, tmp_path)
     runs = [(e["cursor"], e["attempt"]) for e in held.executions(task_ids[1])]
     assert runs == [(0, 1), (1, 1), (1, 2)], runs
     attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in docs[1]["attempts"]]
@@ -153,18 +160,7 @@ def test_a_worker_killed_in_a_step_run_on_with_starts_unstored_loses_no_flow_it_
     """Starts written with their outcomes: the next steps a commit kept here stay queued and are
     never published. Once the worker is gone the requeue sweep publishes them; the one whose
     handler did its work and was killed before its outcome runs again as the same attempt."""
-    marker = tmp_path / "killed"
-    parameters: list[dict[str, Any]] = [{}, {"kill_worker_after": {"1": str(marker)}}, {}, {}]
-    task_ids = submit_together(held_deferred, "short", parameters)
-    worker = start_worker(held_deferred)
-    try:
-        wait_for(lambda: marker.exists() and worker.poll() is not None, 30, "the worker to die")
-        start_worker(held_deferred)
-        docs = [held_deferred.wait_stopped(t, timeout=60) for t in task_ids]
-    finally:
-        stop_worker(held_deferred)
-
-    assert [doc["task_status"] for doc in docs] == [0] * 4, docs
+    task_ids, docs = killed_after_step_1_of_the_second(held_deferred, tmp_path)
     runs = [(e["cursor"], e["attempt"]) for e in held_deferred.executions(task_ids[1])]
     assert runs == [(0, 1), (1, 1), (1, 1)], runs
     for doc in docs:
