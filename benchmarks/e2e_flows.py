@@ -50,7 +50,7 @@ from figures import (  # noqa: E402
 )
 from loadgen import KeepAlive  # noqa: E402
 from runner import Run, add_keep_options, check_positive, guarded, measure, run_parser  # noqa: E402
-from stack import SetupError, Stack, log, machine_info, make_backend  # noqa: E402
+from stack import Backend, SetupError, Stack, log, machine_info, make_backend  # noqa: E402
 
 FLOW = "noop"
 
@@ -130,19 +130,19 @@ def fetch_docs(api: Api, task_ids: list[str]) -> list[dict[str, Any]]:
 # --- main ------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = run_parser(__doc__, ["embedded", "postgres-rabbitmq", "postgres-redis"], "embedded",
-                   "concurrent HTTP clients (default 4)")
-    p.add_argument("--json", action="store_true", help="print a JSON summary instead of the text report")
+def add_stack_options(p: argparse.ArgumentParser) -> None:
+    """The options of the stack :func:`ready_stack` starts (with :func:`runner.run_parser`'s)."""
     p.add_argument("--log-level", default=None, help="ASYNCFLOW_LOG_LEVEL for the processes (default: theirs)")
     p.add_argument("--env", dest="extra_env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment for the processes, e.g. ASYNCFLOW_EMBEDDED_POLL_INTERVAL=0.01")
-    p.add_argument("--idle", type=float, default=0, metavar="SECONDS",
-                   help="first measure the CPU each process uses while idle for this long")
+                   help="extra environment for the processes, e.g. ASYNCFLOW_WORKER_PREFETCH=8")
     add_keep_options(p, "process logs")
     p.add_argument("--rabbitmq-vhost", default=None,
                    help="use this existing vhost (its asyncflow.* queues are purged) instead of a fresh one")
     p.add_argument("--redis-db", type=int, default=None, help="Redis db (default: first empty one from 9 up)")
+
+
+def parsed(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` by ``p``, its ``--env`` items and counts checked."""
     args = p.parse_args(argv)
     for item in args.extra_env:
         if "=" not in item:
@@ -151,8 +151,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def bench(args: argparse.Namespace, run: Run) -> int:
-    machine = machine_info()
+def ready_stack(args: argparse.Namespace, run: Run) -> tuple[Backend, Stack, Api, float]:
+    """The stack started on a backend of its own, healthy, one flow through it; removed when ``run`` ends.
+
+    Also the warm-up flow's seconds.
+    """
     log(f"backend {args.backend}: setting up (home {run.home})")
     backend = make_backend(args)
     run.exits.callback(backend.cleanup)
@@ -164,6 +167,22 @@ def bench(args: argparse.Namespace, run: Run) -> int:
     api = Api(stack.url)
     warm = warm_up(api, stack, 120)
     log(f"stack ready on {stack.url}; warm-up flow took {warm * 1000:.1f} ms")
+    return backend, stack, api, warm
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = run_parser(__doc__, ["embedded", "postgres-rabbitmq", "postgres-redis"], "embedded",
+                   "concurrent HTTP clients (default 4)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of the text report")
+    p.add_argument("--idle", type=float, default=0, metavar="SECONDS",
+                   help="first measure the CPU each process uses while idle for this long")
+    add_stack_options(p)
+    return parsed(p, argv)
+
+
+def bench(args: argparse.Namespace, run: Run) -> int:
+    machine = machine_info()
+    backend, stack, api, warm = ready_stack(args, run)
     if args.idle > 0:
         print_idle_cpu(stack, args.idle)
 

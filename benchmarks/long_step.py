@@ -23,14 +23,15 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_flows import Api, fetch_docs, warm_up  # noqa: E402
+from e2e_flows import add_stack_options, fetch_docs, parsed, ready_stack  # noqa: E402
 from figures import STOPPED, SUCCESS, dist_ms  # noqa: E402
-from runner import Run, add_keep_options, check_positive, guarded, run_parser, submit_at_rate  # noqa: E402
-from stack import SetupError, Stack, log, machine_info, make_backend  # noqa: E402
+from runner import Run, guarded, run_parser, submit_at_rate, wait_for  # noqa: E402
+from stack import SetupError, Stack, log, machine_info  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,40 +39,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "HTTP clients for the quick flows (default 4)")
     p.set_defaults(flows=200, rate=50.0)
     p.add_argument("--hold", type=float, default=45, help="seconds the long step runs at most (default 45)")
-    p.add_argument("--env", dest="extra_env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment for the processes, e.g. ASYNCFLOW_WORKER_PREFETCH=8")
-    add_keep_options(p, "process logs")
-    p.add_argument("--rabbitmq-vhost", default=None, help="use this existing vhost instead of a fresh one")
-    p.add_argument("--redis-db", type=int, default=None, help="Redis db (default: first empty one from 9 up)")
-    p.add_argument("--log-level", default=None, help="ASYNCFLOW_LOG_LEVEL for the processes (default: theirs)")
-    args = p.parse_args(argv)
-    if any("=" not in item for item in args.extra_env):
-        p.error("--env wants KEY=VALUE")
-    check_positive(p, args)
-    return args
+    add_stack_options(p)
+    return parsed(p, argv)
 
 
-def wait_until(condition: Any, stack: Stack, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        stack.check_alive()
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+def until(condition: Callable[[], bool], stack: Stack, seconds: float) -> bool:
+    return wait_for(condition, stack.check_alive, time.monotonic() + seconds, poll=0.05)
 
 
 def bench(args: argparse.Namespace, run: Run) -> int:
     machine = machine_info()
-    backend = make_backend(args)
-    run.exits.callback(backend.cleanup)
-    extra_env = dict(item.split("=", 1) for item in args.extra_env)
-    stack = Stack(run.home, backend, args.concurrency, args.log_level, extra_env)
-    run.stop_at_end(stack, "processes")
-    stack.start()
-    stack.wait_healthy(60)
-    api = Api(stack.url)
-    warm_up(api, stack, 120)
+    _backend, stack, api, _warm = ready_stack(args, run)
 
     gate = run.home / "long-step-ends"
     long_id = uuid.uuid4().hex
@@ -80,18 +58,18 @@ def bench(args: argparse.Namespace, run: Run) -> int:
     if status not in (200, 201):
         raise SetupError(f"the long flow's submit answered {status}: {answer}")
     # Its start is stored before its handler runs, or (ASYNCFLOW_RECORD_START_AFTER) that long after.
-    if not wait_until(lambda: (api.get(long_id)["current"] or {}).get("phase") == "running", stack, 60):
+    if not until(lambda: (api.get(long_id)["current"] or {}).get("phase") == "running", stack, 60):
         raise SetupError("the long step did not start")
     log(f"long step running; submitting {args.flows} quick flows at {args.rate:g}/s")
 
     run_id = f"bench-{uuid.uuid4().hex[:10]}"
     sub = submit_at_rate(lambda _i: api.submit(run_id), args.flows, args.rate, args.clients,
                          time.monotonic() + args.timeout)
-    all_ended = wait_until(lambda: api.all_stopped(run_id), stack, args.hold)
+    all_ended = until(lambda: api.all_stopped(run_id), stack, args.hold)
     gate.touch()
-    if not wait_until(lambda: api.get(long_id)["task_status"] in STOPPED, stack, 60):
+    if not until(lambda: api.get(long_id)["task_status"] in STOPPED, stack, 60):
         raise SetupError("the long step did not end once its file was made")
-    if not all_ended and not wait_until(lambda: api.all_stopped(run_id), stack, args.timeout):
+    if not all_ended and not until(lambda: api.all_stopped(run_id), stack, args.timeout):
         raise SetupError("quick flows still running after the long step ended")
 
     docs = fetch_docs(api, sub.ids)
