@@ -15,19 +15,18 @@ interrupts its handler as before.
 No round waits to fill: a transition alone is committed at once. A transition
 waits only while the handlers of the deliveries resumed before its round's
 commit run; should one of them run past FLUSH_AFTER, the process's pulse thread
-(:data:`shared.consumer.PULSES`) commits the outcomes waiting, so no finished
-attempt waits for it, and their next steps are published for other consumers,
-as are those a commit kept to run here without storing their starts (starts
-written with their outcomes, ``record_start_after``). What the consumer process
-read but did not start goes back to the broker
-(:class:`shared.messaging.consumers.GroupedStepMessages`). One held
-whose attempt's start a commit stored is running as far as the task shows, so
-from that commit until it is resumed the pulse thread sends its heartbeats, as
-it would while its handler runs: otherwise, held past three heartbeat intervals
-(behind a long handler, a handler run by a delivery just taken, or a wait for
-the database), it would be taken for lost and run again elsewhere. It still
-waits for the long step to end: with starts stored before their handlers run,
-a long step holds back the starts committed in its round.
+(:data:`shared.consumer.PULSES`) hands on everything held here for its turn
+(:meth:`GroupCommit.flush`): the outcomes waiting are committed and their next
+steps published for other consumers, the starts committed are given back
+(:class:`shared.saga.Released`: the same attempt, published as a new message),
+and what nothing is stored of as running is published. What the consumer
+process read but did not start goes back to the broker
+(:class:`shared.messaging.consumers.GroupedStepMessages`). Only the long step
+itself stays. One held whose attempt's start a commit stored is running as far
+as the task shows, so from that commit until it is resumed or given back the
+pulse thread sends its heartbeats, as it would while its handler runs:
+otherwise, held past three heartbeat intervals (a wait for the database, say),
+it would be taken for lost and run again elsewhere.
 """
 
 from __future__ import annotations
@@ -41,10 +40,11 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.consumer import PULSES, Once, Pulse, StepConsumer, Store
+from shared.consumer import PULSES, Once, Pulse, StepConsumer, Store, worker_name
 from shared.records import evolve
 from shared.retry import reconnect_delay
-from shared.saga import Decision, Started
+from shared.saga import Decision, Released, Started
+from shared.service import Change
 from shared.states import Phase
 from shared.storage import StorageUnavailable
 from shared.task import StepMessage
@@ -152,37 +152,63 @@ class GroupCommit:
         return bool(resumed or group)
 
     def flush(self) -> None:
-        """Commit the outcomes waiting now, and hand on the next steps kept here (the pulse thread,
-        while a handler runs long).
+        """Commit the outcomes waiting now, and hand on what waits here for its turn (the pulse
+        thread, while a handler runs long, which would hold it as long as it runs).
 
-        The outcomes' next steps are published rather than run here, where they
-        would wait for the long handler with their start stored and no pulse; the
-        starts of deliveries just taken wait for their turn (nothing is stored of
-        them yet, so nothing of them expires). A next step a commit kept here
-        without storing its start (starts written with their outcomes) is
-        published as well, and its delivery ends without running it. A failure is
-        left to the rounds.
+        - An outcome's next step is published rather than run here.
+        - A start not committed yet (a delivery just taken): a copy of its message
+          is published; nothing of it is stored.
+        - A next step a commit kept here without storing its start (starts written
+          with their outcomes): published.
+        - A start committed (a delivery's, or a next step's with the outcome before
+          it): given back (:class:`Released`), which publishes the same attempt as
+          a new message.
+
+        Their deliveries then end here without running them. A failure is left to
+        the rounds: what could not be handed on runs here after the long handler.
         """
         with self._lock:
-            self._hand_on()
+            self._hand_on_queued()
             outcomes = [w for w in self._waiting if w.store.patient]
-            if not outcomes:
+            started = [(w, a, m) for w, a in self._stored if isinstance(a, Decision) and (m := _running(w, a))]
+            if not outcomes and not started:
                 return
             self._waiting = [w for w in self._waiting if not w.store.patient]
+            given = {id(w) for w, _, _ in started}
+            self._stored = deque(entry for entry in self._stored if id(entry[0]) not in given)
+            changes = [w.store.change._replace(keep=None) for w in outcomes]
+            changes += [Change(m.task_id, Released(m.seq), known=a.task, worker=worker_name()) for _, a, m in started]
             try:
-                answers = self.consumer.service.apply_many([w.store.change._replace(keep=None) for w in outcomes])
+                answers = self.consumer.service.apply_many(changes)
             except Exception:  # apply_many answers for each change: a defect, left to the rounds
                 log.exception("committing the outcomes behind a long handler failed")
                 self._waiting[:0] = outcomes
+                self._stored.extendleft((w, a) for w, a, _ in reversed(started))
                 return
-            for waiting, answer in zip(outcomes, answers, strict=True):
+            for waiting, answer in zip(outcomes, answers[: len(outcomes)], strict=True):
                 if isinstance(answer, StorageUnavailable):
                     self._waiting.append(waiting)
                 else:
                     self._answered(waiting, answer)
+            staying: list[tuple[_Waiting, Decision | Exception]] = []
+            for (waiting, before, _), answer in zip(started, answers[len(outcomes) :], strict=True):
+                if isinstance(answer, Exception):  # not given back: it runs here after all
+                    staying.append((waiting, before))
+                    continue
+                if waiting.pulse is not None:
+                    waiting.pulse.stop()
+                self._stored.append((waiting, _HANDED_ON))
+            self._stored.extendleft(reversed(staying))
+            if len(started) > len(staying):
+                log.info("%d started step(s) given back behind a long step", len(started) - len(staying))
 
-    def _hand_on(self) -> None:
-        """Publish the next steps kept here, their starts not stored, that wait for their turn (under the lock)."""
+    def _hand_on_queued(self) -> None:
+        """Publish what waits here for its turn with nothing of it stored as running (under the lock).
+
+        The starts of deliveries just taken, not committed yet (a copy of the
+        message goes out; the one held here ends unrun), and the next steps kept
+        here without their starts stored.
+        """
         handed: list[tuple[_Waiting, StepMessage]] = []
         staying: deque[tuple[_Waiting, Decision | Exception]] = deque()
         for waiting, answer in self._stored:
@@ -191,11 +217,15 @@ class GroupCommit:
                 staying.append((waiting, answer))
             else:
                 handed.append((waiting, message))
+        starts = [w for w in self._waiting if isinstance(w.store.change.event, Started)]
+        if starts:
+            self._waiting = [w for w in self._waiting if not isinstance(w.store.change.event, Started)]
+            handed += [(w, w.flight.message) for w in starts]
         if not handed:
             return
         self._stored = staying
         self.consumer.service.publish([evolve(message, sent_at=time.time()) for _, message in handed])
-        log.info("%d next step(s) kept here published instead, behind a long step", len(handed))
+        log.info("%d step(s) waiting here, nothing of them stored, published instead, behind a long step", len(handed))
         self._stored.extend((waiting, _HANDED_ON) for waiting, _ in handed)
 
     def _commit(self, group: list[_Waiting]) -> bool:

@@ -133,6 +133,19 @@ class Heartbeat:
     progress: Mapping[str, Any] | None = None
 
 
+@dataclass(frozen=True)
+class Released:
+    """A started attempt whose handler has not run goes to another worker.
+
+    A consumer process holding several deliveries stores their starts together,
+    then runs their handlers one at a time: behind one that runs long, it gives
+    the others back. The same attempt goes out as a new message (a new seq, so
+    the copy it held is stale); it does not count as one of the step's tries.
+    """
+
+    seq: int
+
+
 # Outcomes carry ``started_at`` when the attempt's start was not recorded with
 # ``Started``: the outcome then records both, from the queued phase.
 
@@ -181,7 +194,7 @@ class Resume:
     parameters: Mapping[str, Any] = field(default_factory=dict)
 
 
-StepEvent = Due | Requeue | PublishFailed | Expire | Started | Heartbeat | Succeeded | Failed | PollLater
+StepEvent = Due | Requeue | PublishFailed | Expire | Started | Heartbeat | Released | Succeeded | Failed | PollLater
 Operation = Cancel | Retry | Resume  # an operator's action (TaskService.operate)
 Event = Submit | StepEvent | Operation
 
@@ -193,6 +206,7 @@ _EXPECTED_PHASE: dict[type, Phase] = {
     Expire: Phase.RUNNING,
     Started: Phase.QUEUED,
     Heartbeat: Phase.RUNNING,
+    Released: Phase.RUNNING,
     Succeeded: Phase.RUNNING,
     Failed: Phase.RUNNING,
     PollLater: Phase.RUNNING,
@@ -245,6 +259,8 @@ def decide(task: Task, event: Event, now: float, timing: Timing = DEFAULT_TIMING
         return _started(task, now, timing, event.heartbeats)
     if isinstance(event, Heartbeat):
         return _heartbeat(task, now, timing)
+    if isinstance(event, Released):
+        return _released(task, now, timing)
     start = unrecorded_start(event)
     if start is not None and active.phase is Phase.QUEUED:
         task = _started(task, start, timing).task
@@ -406,6 +422,14 @@ def _heartbeat(task: Task, now: float, timing: Timing) -> Decision:
     # time and progress go to the attempt log with it.
     due_at = _running_deadline(task, active, now, timing)
     return Decision(evolve(task, active=evolve(active, due_at=due_at)))
+
+
+def _released(task: Task, now: float, timing: Timing) -> Decision:
+    active = task.active
+    assert active is not None
+    if task.cancel_requested and active.type is StepType.NORMAL:
+        return _cancelled_before_running(task, now, timing)  # its handler was not run: compensate now
+    return _dispatch(task, active.cursor, active.type, active.attempt, now, timing)
 
 
 def expiry(task: Task, now: float, timing: Timing) -> Failed:

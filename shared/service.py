@@ -34,6 +34,7 @@ from shared.saga import (
     Operation,
     PollLater,
     PublishFailed,
+    Released,
     Resume,
     Retry,
     Started,
@@ -596,7 +597,7 @@ def _attempt_record(
 ) -> AttemptRecord | None:
     """The attempt-log write that goes with an accepted step event."""
     active = task.active
-    if active is None or not isinstance(event, Started | Heartbeat | Succeeded | Failed | PollLater | Expire):
+    if active is None or not isinstance(event, Started | Heartbeat | Released | Succeeded | Failed | PollLater | Expire):
         return None
     action = task.steps[active.cursor].action(active.type)
     base = AttemptRecord(
@@ -619,6 +620,8 @@ def _attempt_record(
         return evolve(base, ended_at=now, outcome="succeeded", result=dict(event.result))
     if isinstance(event, PollLater):
         return evolve(base, ended_at=now, outcome="poll_later", result=dict(event.parameters))
+    if isinstance(event, Released):
+        return evolve(base, ended_at=now, outcome="released")  # its handler did not run
     if isinstance(event, Expire):
         return evolve(base, ended_at=now, outcome="expired", error=expiry(task, now, timing).error)
     outcome = "timed_out" if event.timed_out else "failed"

@@ -19,7 +19,7 @@ class Row:
     rollback: bool
     attempt: int
     label: str  # "2 beta.step"
-    outcome: str  # succeeded, failed, timed_out, poll_later, expired, running, queued, waiting
+    outcome: str  # succeeded, failed, timed_out, poll_later, expired, released, running, queued, waiting
     ready_at: float  # when it could have started (after the previous attempt, or the submit)
     started_at: float | None
     ended_at: float | None

@@ -223,11 +223,9 @@ class GroupedStepMessages(StepMessages):
     cancelled until the round ends; on Redis, the message a BRPOP left in flight
     pops). Other consumers take them at once. What the long round has started
     is handed on by :meth:`GroupCommit.flush`: outcomes waiting are committed and
-    their next steps published, and so are the next steps a commit kept here
-    without storing their starts. With starts stored before their handlers run
-    (``record_start_after`` 0, the default), the deliveries started in the long
-    step's round still wait for it: their starts are stored with its own, or
-    wait for the next commit.
+    their next steps published, starts committed are given back as new
+    messages, and the rest is published; their deliveries end unrun once the
+    long step has.
     """
 
     def __init__(

@@ -98,7 +98,7 @@ class AttemptRecord:
     command: str
     started_at: float | None = None
     ended_at: float | None = None
-    outcome: str | None = None  # succeeded, failed, timed_out, poll_later, expired
+    outcome: str | None = None  # succeeded, failed, timed_out, poll_later, expired, released (given back unrun)
     error: str | None = None
     worker: str | None = None  # the process that ran it (shared.presence)
     heartbeat_at: float | None = None

@@ -2,8 +2,9 @@
 their transitions committed together, killed while it holds them. Real processes.
 
 - The consumer process alone killed (SIGKILL) while one of the held deliveries runs its
-  handler and the others wait for their turn: the worker's main process reports every
-  held attempt lost at once, and each runs again.
+  handler and the others, given back, wait for it to end: the worker's main process
+  reports every held attempt lost at once; the one that ran runs again, the reports of
+  the others are stale.
 - The whole worker killed between a handler's end and the commit of its outcome, with
   other deliveries held: the broker delivers what was not acknowledged again, the
   attempts whose start was stored expire when their heartbeats stop, and every flow ends
@@ -11,10 +12,10 @@ their transitions committed together, killed while it holds them. Real processes
 - With starts written with their outcomes, the worker killed in a step run on to: the
   next steps kept, never published, are published by the requeue sweep; the cut-off one
   runs again as the same attempt.
-- A held delivery whose start is stored, waiting many heartbeat intervals behind a long
-  handler: its heartbeats keep it alive, and it runs once.
-- Deliveries nothing is stored of, sent to a process whose handler runs long, or read
-  with that step: given back to the broker, other processes run them meanwhile.
+- A held delivery whose start is stored, behind a long handler: given back as a new
+  message, and run by another process meanwhile, once.
+- Deliveries sent to a process whose handler runs long, or read or started with that
+  step: given back, other processes run them meanwhile.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def start_worker(stack: Stack) -> subprocess.Popen[bytes]:
     return stack.spawn(WORKER, "worker", "alpha", "beta", "-c", "1")
 
 
-def stop_worker(stack: Stack) -> None:
-    proc = stack.procs.pop(WORKER, None)
+def stop_worker(stack: Stack, name: str = WORKER) -> None:
+    proc = stack.procs.pop(name, None)
     if proc is not None and proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)  # its own session: the worker and its consumer process
         proc.wait(timeout=10)
@@ -81,23 +82,23 @@ def submit_batch(stack: Stack, tasks: list[tuple[str, dict[str, Any]]]) -> list[
     return [t["task_id"] for t in response.json()["tasks"]]
 
 
-def running_attempts(stack: Stack, task_ids: list[str]) -> int:
-    count = 0
-    for task_id in task_ids:
-        attempts = stack.get(task_id)["attempts"]
-        count += bool(attempts) and attempts[-1]["outcome"] is None
-    return count
-
-
 def test_a_consumer_process_killed_holding_several_deliveries_has_each_reported_lost(
     held: Stack, tmp_path: Path
 ) -> None:
+    """Three starts stored together; the first's handler runs long and the other two are given
+    back, their deliveries held until it ends. The consumer process killed: its worker reports
+    every attempt it held lost at once, which fails the running one (it runs again) and is
+    stale for the two given back (their new messages run as the same attempts)."""
     gate = tmp_path / "go"
-    # Step 0 of each works until the gate exists: the first runs, the others wait their turn.
+    # Step 0 of each works until the gate exists: the first runs, the others are given back.
     task_ids = submit_together(held, "long", [{"wait_for_file": {"0": str(gate)}}] * 3)
     worker = start_worker(held)
+
+    def outcomes() -> list[list[str | None]]:
+        return [[a["outcome"] for a in held.get(t)["attempts"]] for t in task_ids]
+
     try:
-        wait_for(lambda: running_attempts(held, task_ids) == 3, 30, "the three starts, stored together")
+        wait_for(lambda: sorted(outcomes(), key=len) == [[None], ["released"], ["released"]], 30, "two given back")
         (consumer,) = wait_for(lambda: children_of(worker.pid) or None, 10, "the consumer process")
         killed_at = time.time()
         os.kill(consumer, signal.SIGKILL)  # the consumer process alone: its worker reports what it held
@@ -106,15 +107,17 @@ def test_a_consumer_process_killed_holding_several_deliveries_has_each_reported_
     finally:
         stop_worker(held)
 
+    assert [doc["task_status"] for doc in docs] == [0] * 3, docs
+    ran = [doc for doc in docs if doc["attempts"][0]["outcome"] == "failed"]
+    assert len(ran) == 1, [doc["attempts"] for doc in docs]
+    first, again = ran[0]["attempts"]
+    assert again["outcome"] == "succeeded" and "worker process lost" in first["error"], ran[0]["attempts"]
+    # Reported by the worker's main process at once, not found by a sweep seconds later.
+    assert first["ended_at"] - killed_at < 3.0, (first, killed_at)
     for doc in docs:
-        assert doc["task_status"] == 0, doc
-        first, again = doc["attempts"]
-        assert (first["outcome"], again["outcome"]) == ("failed", "succeeded"), doc["attempts"]
-        assert "worker process lost" in first["error"], first
-        # Reported by the worker's main process at once, not found by a sweep seconds later.
-        assert first["ended_at"] - killed_at < 3.0, (first, killed_at)
-    errors = [doc["attempts"][0]["error"] for doc in docs]
-    assert sum("while it ran another step" in e for e in errors) == 2, errors
+        if doc is not ran[0]:
+            attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
+            assert attempts == [(0, 1, "released"), (0, 1, "succeeded")], attempts
 
 
 def killed_after_step_1_of_the_second(stack: Stack, tmp_path: Path) -> tuple[list[str], list[dict[str, Any]]]:
@@ -168,25 +171,41 @@ def test_a_worker_killed_in_a_step_run_on_with_starts_unstored_loses_no_flow_it_
         assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")], attempts
 
 
-def test_a_held_delivery_waiting_behind_a_long_handler_is_kept_alive_by_its_heartbeats(
+def test_a_held_delivery_whose_start_is_stored_is_given_back_behind_a_long_handler(
     beating: Stack, tmp_path: Path
 ) -> None:
-    gate = tmp_path / "go"
-    # Step 0 of each works until the gate exists: the first runs, the second waits its turn.
-    task_ids = submit_together(beating, "long", [{"wait_for_file": {"0": str(gate)}}] * 2)
+    """Both starts are stored together, then the first's handler runs long: the second is
+    given back (the same attempt, a new message), and a worker started next runs it while
+    the first still runs."""
+    first_gate, second_gate = tmp_path / "first", tmp_path / "second"
+    first, second = submit_batch(
+        beating, [("long", {"wait_for_file": {"0": str(first_gate)}}), ("long", {"wait_for_file": {"0": str(second_gate)}})]
+    )
     start_worker(beating)
+    other = f"{WORKER}-2"
     try:
-        wait_for(lambda: running_attempts(beating, task_ids) == 2, 30, "the two starts, stored together")
-        time.sleep(5.0)  # more than three heartbeat intervals, many times over
-        assert running_attempts(beating, task_ids) == 2, [beating.get(t)["attempts"] for t in task_ids]
-        gate.touch()
-        docs = [beating.wait_stopped(t, timeout=60) for t in task_ids]
+        wait_for(lambda: beating.executions(first) or beating.executions(second) or None, 30, "a long step to start")
+        (running,) = [t for t in (first, second) if beating.executions(t)]
+        given = second if running == first else first
+        wait_for(
+            lambda: [a["outcome"] for a in beating.get(given)["attempts"]] == ["released"], 30, "the other given back"
+        )
+        beating.spawn(other, "worker", "alpha", "beta", "-c", "1")
+        (taken,) = wait_for(lambda: beating.executions(given) or None, 30, "the other to run elsewhere")
+        (second_gate if given == second else first_gate).touch()
+        given_doc = beating.wait_stopped(given, timeout=60)
+        assert beating.get(running)["task_status"] not in STOPPED  # its step still runs
+        (first_gate if running == first else second_gate).touch()
+        running_doc = beating.wait_stopped(running, timeout=60)
     finally:
         stop_worker(beating)
+        stop_worker(beating, other)
 
-    for doc in docs:
-        assert doc["task_status"] == 0, doc
-        assert [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]] == [(0, 1, "succeeded")], doc
+    assert given_doc["task_status"] == 0 and running_doc["task_status"] == 0, (given_doc, running_doc)
+    attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in given_doc["attempts"]]
+    assert attempts == [(0, 1, "released"), (0, 1, "succeeded")], attempts
+    assert taken["pid"] != beating.executions(running)[0]["pid"]
+    assert [(a["cursor"], a["attempt"], a["outcome"]) for a in running_doc["attempts"]] == [(0, 1, "succeeded")]
 
 
 @pytest.fixture(scope="module", params=["postgres-rabbitmq", "postgres-redis"])
@@ -241,7 +260,8 @@ def run_beside_a_long_step(stack: Stack, gate: Path, submitted_after: bool) -> t
     assert long_doc["task_status"] == 0, long_doc
     for doc in docs:
         assert doc["task_status"] == 0, doc
-        attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
+        # Given back before it ran (a start stored in the long step's round), an attempt goes out again.
+        attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"] if a["outcome"] != "released"]
         assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")], attempts
     return long_id, short_ids, first["pid"]
 
@@ -265,6 +285,15 @@ def test_deliveries_read_with_a_long_step_are_given_back_to_another(
     _long_id, short_ids, _long_pid = run_beside_a_long_step(two_held_deferred, tmp_path / "go", submitted_after=False)
     for task_id in short_ids:
         runs = [(e["cursor"], e["attempt"]) for e in two_held_deferred.executions(task_id)]
+        assert runs == [(0, 1), (1, 1)], runs
+
+
+def test_deliveries_started_with_a_long_step_are_given_back_to_another(two_held: Stack, tmp_path: Path) -> None:
+    """Read in the same round as the long step, their starts stored before their handlers
+    run (the default): given back as new messages while it runs, each run once."""
+    _long_id, short_ids, _long_pid = run_beside_a_long_step(two_held, tmp_path / "go", submitted_after=False)
+    for task_id in short_ids:
+        runs = [(e["cursor"], e["attempt"]) for e in two_held.executions(task_id)]
         assert runs == [(0, 1), (1, 1)], runs
 
 

@@ -389,9 +389,10 @@ def long_and_quick_steps(h: Harness, long_step: int, beaten: threading.Event, ra
 def test_a_held_delivery_whose_start_is_stored_sends_heartbeats_while_it_waits_its_turn(long_step: int) -> None:
     """Its task shows it running: without heartbeats the sweep would take it for lost and run it again.
 
-    ``long_step`` 0: both starts were stored in one commit, then the first delivery's handler
-    runs long. 1: both outcomes of step 0 started step 1 here in one commit, then the
-    first delivery's step 1 runs long.
+    Until it is given back (here never: the flush behind a long handler is off, as when the
+    database refuses it). ``long_step`` 0: both starts were stored in one commit, then the
+    first delivery's handler runs long. 1: both outcomes of step 0 started step 1 here in one
+    commit, then the first delivery's step 1 runs long.
     """
     h = harness({"alpha": Module("alpha"), "beta": Module("beta")}, heartbeat_interval=0.05)
     ran: list[str] = []
@@ -400,8 +401,9 @@ def test_a_held_delivery_whose_start_is_stored_sends_heartbeats_while_it_waits_i
     long_and_quick_steps(h, long_step, beaten, ran)
     group = GroupCommit(h.consumer, lambda flight, exc: None)
     take(h, group, 2)
-    while len(group):
-        group.work()
+    with patch("shared.group_commit.FLUSH_AFTER", 3600.0):
+        while len(group):
+            group.work()
 
     # The long handler returned once they came: they were sent while the other waited its turn.
     assert beaten.is_set(), "no heartbeats for the delivery waiting behind the long handler"
@@ -473,3 +475,85 @@ def test_with_starts_written_with_outcomes_next_steps_kept_here_are_handed_on_be
 
     assert [h.service.get(t).status for t in (first, second, taken)] == [TaskStatus.SUCCESS] * 3
     assert sorted(ran) == sorted((t, step) for t in (first, second, taken) for step in (0, 1))
+
+def published_for(h: Harness, task_id: str, cursor: int, within: float = 5.0) -> bool:
+    """Waits until a message for ``task_id``'s step ``cursor`` is published; whether it was."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if any((m.task_id, m.cursor) == (task_id, cursor) for m in list(h.publisher.messages)):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("long_step", [0, 1])
+def test_a_held_delivery_whose_start_is_stored_is_given_back_behind_a_long_handler(long_step: int) -> None:
+    """Its start was stored with the long one's (``long_step`` 0), or with the outcome of the
+    step before it (1): the same attempt goes out as a new message for another consumer, and
+    its delivery ends here without running it."""
+    h = harness({"alpha": Module("alpha"), "beta": Module("beta")})
+    ran: list[tuple[str, int]] = []
+    slow, waiting = submit_all(h, [("short", {"long": True}), ("short", {})])
+    seen: list[bool] = []
+
+    def handler(step: int) -> Any:
+        def run(ctx: StepContext) -> None:
+            ran.append((ctx.task_id, step))
+            if ctx.parameters.get("long") and step == long_step:
+                seen.append(published_for(h, waiting, long_step))
+
+        return run
+
+    h.consumer.modules["alpha"].command("step")(handler(0))
+    h.consumer.modules["beta"].command("step")(handler(1))
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    take(h, group, 2)
+    while len(group):
+        group.work()
+
+    assert seen == [True], "not handed on while the long handler ran"
+    assert (waiting, long_step) not in ran
+    [again] = [m for m in h.publisher.messages if m.task_id == waiting]
+    log = [(a.seq, a.cursor, a.attempt, a.outcome) for a in h.service.attempts(waiting)]
+    assert log[-1] == (again.seq - 1, long_step, 1, "released")  # its attempt, given back before it ran
+    assert (again.cursor, again.attempt) == (long_step, 1)
+    take(h, group, 1)  # another consumer's, say
+    while len(group):
+        group.work()
+    task = h.service.get(waiting)
+    assert task.status is TaskStatus.SUCCESS and task.steps[long_step].attempts == 1  # not a try of its own
+    assert h.service.get(slow).status is TaskStatus.SUCCESS
+
+
+def test_a_delivery_whose_start_waits_for_its_commit_is_published_again_behind_a_long_handler() -> None:
+    """Taken while another delivery's start was committed: the other's handler runs long before
+    the round commits this start. Nothing of it is stored: a copy of its message goes out, and the
+    delivery ends here without running it."""
+    h = harness({"alpha": Module("alpha"), "beta": testmod.beta})
+    ran: list[tuple[str, int]] = []
+    slow, waiting = submit_all(h, [("noop", {"long": True}), ("noop", {})])
+    seen: list[bool] = []
+
+    @h.consumer.modules["alpha"].command("step")
+    def step(ctx: StepContext) -> None:
+        ran.append((ctx.task_id, ctx.cursor))
+        if ctx.parameters.get("long") and ctx.cursor == 0:
+            seen.append(published_for(h, waiting, 0))
+
+    ended: list[str] = []
+    group = GroupCommit(h.consumer, lambda flight, exc: ended.append(flight.message.task_id))
+    take(h, group, 1)
+    group.work()  # its start, committed
+    held = h.publisher.messages[0]
+    take(h, group, 1)  # this start waits for the round's commit, after the long handler
+    while len(group):
+        group.work()
+
+    assert seen == [True] and (waiting, 0) not in ran and sorted(ended) == sorted([slow, waiting])
+    [copy] = list(h.publisher.messages)
+    assert (copy.task_id, copy.seq) == (held.task_id, held.seq)  # the same message
+    assert h.service.attempts(waiting) == []  # nothing of it was stored
+    take(h, group, 1)
+    while len(group):
+        group.work()
+    assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2

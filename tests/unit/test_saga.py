@@ -16,6 +16,7 @@ from shared.saga import (
     InvalidAction,
     PollLater,
     PublishFailed,
+    Released,
     Requeue,
     Resume,
     Retry,
@@ -335,3 +336,35 @@ def test_an_attempt_started_without_heartbeats_is_bounded_by_its_timeout_only() 
     task = submitted(flow(1))
     task = decide(task, Started(task.active.seq), 200.0, HEARTBEATS).task
     assert task.active.due_at == 215.0
+
+
+def test_a_started_attempt_given_back_goes_out_again_as_the_same_attempt() -> None:
+    # A consumer process gave it back from behind a long step before its handler ran.
+    task = submitted(flow(1))
+    seq = task.active.seq
+    task = decide(task, Started(seq, heartbeats=True), 200.0, HEARTBEATS).task
+    d = decide(task, Released(seq), 201.0, HEARTBEATS)
+    again = d.task.active
+    assert (again.seq, again.cursor, again.type, again.attempt, again.phase) == (
+        seq + 1, 0, StepType.NORMAL, 1, Phase.QUEUED
+    )
+    assert [(m.seq, m.cursor, m.attempt) for m in d.messages] == [(seq + 1, 0, 1)]
+    assert d.task.status is TaskStatus.RUNNING  # a module did start it
+    assert decide(d.task, Started(seq), 202.0).ignored  # the copy it held is stale
+    restarted = decide(d.task, Started(seq + 1), 202.0).task
+    assert restarted.steps[0].attempts == 1 and restarted.steps[0].time_start == 200.0  # not a try of its own
+
+
+def test_only_a_running_attempt_can_be_given_back() -> None:
+    task = submitted(flow(1))
+    assert "while it is queued" in (decide(task, Released(task.active.seq), 201.0).ignored or "")
+
+
+def test_a_cancelled_task_s_attempt_given_back_is_compensated_instead_of_run() -> None:
+    task = run(submitted(flow(0, 0)), Succeeded)
+    seq = task.active.seq
+    task = decide(task, Started(seq), 201.0).task
+    task = decide(task, Cancel(), 202.0).task  # running: its outcome would start the rollback
+    d = decide(task, Released(seq), 203.0)
+    assert d.task.status is TaskStatus.ROLLING_BACK and d.task.steps[1].state is StepState.CANCELLED
+    assert [(m.cursor, m.type) for m in d.messages] == [(1, StepType.ROLLBACK)]

@@ -18,6 +18,7 @@ from shared.saga import (
     Failed,
     Heartbeat,
     PollLater,
+    Released,
     Requeue,
     Started,
     Submit,
@@ -43,7 +44,7 @@ flows = st.lists(
     )
 )
 
-OUTCOMES = ["ok", "fail", "timeout", "poll", "duplicate", "cancel", "requeue", "expire"]
+OUTCOMES = ["ok", "fail", "timeout", "poll", "duplicate", "cancel", "requeue", "expire", "release"]
 
 
 # Starts recorded before each attempt, or (one commit per step) mostly with the outcome.
@@ -133,7 +134,25 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
                 assert not beat.ignored and not beat.messages
                 assert beat.task.active.due_at == min(deadline, now + timing.heartbeat_timeout)
                 task = beat.task
+        if outcome == "release" and start is not None:
+            assert decide(task, Released(active.seq), now).ignored  # nothing stored it as running
+            continue
         seen_seqs.append(active.seq)
+        if outcome == "release":
+            # Given back before its handler ran: the same attempt, as a new message.
+            released = decide(task, Released(active.seq), now)
+            assert not released.ignored
+            if task.cancel_requested and active.type is StepType.NORMAL:
+                assert released.task.status is TaskStatus.ROLLING_BACK or released.task.status in STOPPED
+            else:
+                again = released.task.active
+                assert again is not None and again.phase is Phase.QUEUED
+                assert (again.seq, again.cursor, again.type, again.attempt) == (
+                    active.seq + 1, active.cursor, active.type, active.attempt
+                )
+                assert [m.seq for m in released.messages] == [again.seq]
+            task = released.task
+            continue
         if outcome == "poll" and polls < 5:
             polls += 1
             task = decide(task, PollLater(active.seq, 2.0, started_at=start), now).task
@@ -179,7 +198,7 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
     for seq in seen_seqs + [task.seq + 1]:
         late_events: tuple[Event, ...] = (
             Started(seq), Succeeded(seq), Succeeded(seq, started_at=now), Failed(seq, "late", started_at=now),
-            Failed(seq, "late"), Due(seq), Requeue(seq), Expire(seq), Heartbeat(seq),
+            Failed(seq, "late"), Due(seq), Requeue(seq), Expire(seq), Heartbeat(seq), Released(seq),
         )
         for event in late_events:
             late = decide(task, event, now)
