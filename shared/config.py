@@ -41,12 +41,12 @@ class Settings(BaseSettings):
     # (shared.messaging.consumers), or Celery's prefork worker, which costs about 1.4
     # times their CPU per message.
     worker_pool: Literal["kombu", "celery"] = "kombu"
-    # Deliveries a consumer process holds at once (`--pool kombu`). 1: one at a time,
-    # each transition committed alone. Above 1: their handlers still run one at a time,
-    # and their transitions (starts, outcomes) are committed together, several in one
-    # transaction (group commit); a step that runs long then holds the others its
-    # process holds, so keep 1 for modules whose steps run for seconds or more.
-    worker_prefetch: int = Field(default=1, ge=1, le=64)
+    # Deliveries a consumer process holds at once (`--pool kombu`). Above 1: their
+    # handlers still run one at a time, and their transitions (starts, outcomes) are
+    # committed together, several in one transaction (group commit); behind a step that
+    # runs long, what the process holds goes to other consumers within about 50 ms.
+    # 1: one at a time, each transition committed alone.
+    worker_prefetch: int = Field(default=8, ge=1, le=64)
     # Port for a worker's Prometheus metrics (its pool processes included); 0 = off.
     worker_metrics_port: int = 0
     # Seconds past a step's timeout before its process is killed outright.

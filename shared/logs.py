@@ -25,7 +25,7 @@ from weakref import WeakValueDictionary
 from shared.config import Settings
 
 if TYPE_CHECKING:
-    from shared.task import StepMessage
+    from shared.task import StepMessage, Task
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,15 @@ class AttemptFields:
             module=message.module,
             command=message.command,
         )
+
+    @classmethod
+    def of_active(cls, task: Task) -> AttemptFields | None:
+        """The fields of ``task``'s outstanding attempt, if it has one."""
+        active = task.active
+        if active is None:
+            return None
+        action = task.steps[active.cursor].action(active.type)
+        return cls(task.task_id, task.flow, active.cursor, active.seq, active.attempt, action.module, action.command)
 
     def fields(self) -> dict[str, Any]:
         # Not dataclasses.asdict: it deep-copies every value, a quarter of a worker's logging in a profile.

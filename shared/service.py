@@ -21,6 +21,7 @@ from shared import metrics
 from shared.config import Settings
 from shared.errors import ServiceError as ServiceError  # re-exported: callers import it from here
 from shared.flows import FlowSet
+from shared.logs import AttemptFields, attempt_context, current_attempt
 from shared.records import evolve
 from shared.saga import (
     DEFAULT_TIMING,
@@ -410,10 +411,13 @@ class TaskService:
             task = decision.task
             if task.status is not before.status and task.status.is_terminal:
                 metrics.FINISHED.labels(task.flow, task.status.label).inc()
-                log.info(
-                    "task finished",
-                    extra={"task_id": task.task_id, "flow": task.flow, "status": task.status.label},
-                )
+                # Committed with others (group commit), outside the attempt's own logging context.
+                fields = AttemptFields.of_active(before) if current_attempt() is None else None
+                with attempt_context(fields):
+                    log.info(
+                        "task finished",
+                        extra={"task_id": task.task_id, "flow": task.flow, "status": task.status.label},
+                    )
             carried = decision.kept
             for message in decision.messages:
                 if message.type is StepType.ROLLBACK and message.attempt == 1:

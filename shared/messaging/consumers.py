@@ -17,10 +17,11 @@ main process only supervises:
   records their attempts as lost, so they run again elsewhere at once.
 
 The messages are Celery's (protocol 2, as :class:`CeleryPublisher` sends them):
-a Celery worker can consume the same queues. A consumer process takes one
-message at a time (prefetch 1): a long step holds no other message back, and
-delivery priorities are honoured at each take. With ``worker_prefetch`` above 1
-it holds several, their transitions committed together (:class:`GroupedStepMessages`). When a consumer process dies,
+a Celery worker can consume the same queues. A consumer process holds up to
+``worker_prefetch`` deliveries (8 by default), their transitions committed
+together (:class:`GroupedStepMessages`), and hands them on behind a long step;
+at 1 it takes one message at a time (:class:`StepMessages`), delivery
+priorities honoured at each take. When a consumer process dies,
 RabbitMQ and Redis deliver its message again (dropped as stale if its attempt
 was recorded); the embedded broker keeps it hidden, and the scheduler's sweep
 publishes the step again.
