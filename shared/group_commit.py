@@ -17,10 +17,10 @@ waits only while the handlers of the deliveries resumed before its round's
 commit run; should one of them run past FLUSH_AFTER, the process's pulse thread
 (:data:`shared.consumer.PULSES`) hands on everything held here for its turn
 (:meth:`GroupCommit.flush`): the outcomes waiting are committed and their next
-steps published for other consumers, the starts committed are given back
-(:class:`shared.saga.Released`: the same attempt, published as a new message),
-and what nothing is stored of as running is published. What the consumer
-process read but did not start goes back to the broker
+steps published for other consumers, the starts, committed or not, are given
+back (:class:`shared.saga.Released`: the same attempt, published as a new
+message), and next steps kept here without a stored start are published. What
+the consumer process read but did not start goes back to the broker
 (:class:`shared.messaging.consumers.GroupedStepMessages`). Only the long step
 itself stays. One held whose attempt's start a commit stored is running as far
 as the task shows, so from that commit until it is resumed or given back the
@@ -47,7 +47,7 @@ from shared.saga import Decision, Released, Started
 from shared.service import Change
 from shared.states import Phase
 from shared.storage import StorageUnavailable
-from shared.task import StepMessage
+from shared.task import StepMessage, Task
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class _Waiting:
     flight: Flight
     store: Store
     failing_since: float | None = None  # when storing it first failed: an outcome waits within its patience
-    pulse: Pulse | None = None  # stored, its attempt running: beats until the delivery is resumed
+    pulse: Pulse | None = None  # stored, its attempt running: beats until the delivery is resumed or given back
 
 
 class GroupCommit:
@@ -156,59 +156,66 @@ class GroupCommit:
         thread, while a handler runs long, which would hold it as long as it runs).
 
         - An outcome's next step is published rather than run here.
-        - A start not committed yet (a delivery just taken): a copy of its message
-          is published; nothing of it is stored.
         - A next step a commit kept here without storing its start (starts written
-          with their outcomes): published.
-        - A start committed (a delivery's, or a next step's with the outcome before
-          it): given back (:class:`Released`), which publishes the same attempt as
-          a new message.
+          with their outcomes) is published.
+        - A start, committed (a delivery's, or a next step's with the outcome before
+          it) or not yet (a delivery just taken), is given back
+          (:class:`~shared.saga.Released`): the same attempt goes out as a new
+          message, and the one held here is stale, as is a report of its loss
+          should this process die.
 
         Their deliveries then end here without running them. A failure is left to
         the rounds: what could not be handed on runs here after the long handler.
+        All of it is one commit.
         """
         with self._lock:
-            self._hand_on_queued()
+            self._publish_kept()
             outcomes = [w for w in self._waiting if w.store.patient]
+            starts = [w for w in self._waiting if not w.store.patient]
             started = [(w, a, m) for w, a in self._stored if isinstance(a, Decision) and (m := _running(w, a))]
-            if not outcomes and not started:
+            if not (outcomes or starts or started):
                 return
-            self._waiting = [w for w in self._waiting if not w.store.patient]
+            self._waiting = []
             given = {id(w) for w, _, _ in started}
             self._stored = deque(entry for entry in self._stored if id(entry[0]) not in given)
             changes = [w.store.change._replace(keep=None) for w in outcomes]
-            changes += [Change(m.task_id, Released(m.seq), known=a.task, worker=worker_name()) for _, a, m in started]
+            changes += [_given_back(w.flight.message, w.store.change.known, running=False) for w in starts]
+            changes += [_given_back(m, a.task, running=True) for _, a, m in started]
             try:
                 answers = self.consumer.service.apply_many(changes)
             except Exception:  # apply_many answers for each change: a defect, left to the rounds
                 log.exception("committing the outcomes behind a long handler failed")
-                self._waiting[:0] = outcomes
+                self._waiting[:0] = outcomes + starts
                 self._stored.extendleft((w, a) for w, a, _ in reversed(started))
                 return
-            for waiting, answer in zip(outcomes, answers[: len(outcomes)], strict=True):
+            ended, began = len(outcomes), len(outcomes) + len(starts)
+            for waiting, answer in zip(outcomes, answers[:ended], strict=True):
                 if isinstance(answer, StorageUnavailable):
                     self._waiting.append(waiting)
                 else:
                     self._answered(waiting, answer)
+            handed = 0
+            for waiting, answer in zip(starts, answers[ended:began], strict=True):
+                if isinstance(answer, Exception):  # not given back: its start is committed next round
+                    self._waiting.append(waiting)
+                    continue
+                self._stored.append((waiting, _HANDED_ON))
+                handed += 1
             staying: list[tuple[_Waiting, Decision | Exception]] = []
-            for (waiting, before, _), answer in zip(started, answers[len(outcomes) :], strict=True):
+            for (waiting, before, _), answer in zip(started, answers[began:], strict=True):
                 if isinstance(answer, Exception):  # not given back: it runs here after all
                     staying.append((waiting, before))
                     continue
                 if waiting.pulse is not None:
                     waiting.pulse.stop()
                 self._stored.append((waiting, _HANDED_ON))
+                handed += 1
             self._stored.extendleft(reversed(staying))
-            if len(started) > len(staying):
-                log.info("%d started step(s) given back behind a long step", len(started) - len(staying))
+            if handed:
+                log.info("%d step(s) given back behind a long step", handed)
 
-    def _hand_on_queued(self) -> None:
-        """Publish what waits here for its turn with nothing of it stored as running (under the lock).
-
-        The starts of deliveries just taken, not committed yet (a copy of the
-        message goes out; the one held here ends unrun), and the next steps kept
-        here without their starts stored.
-        """
+    def _publish_kept(self) -> None:
+        """Publish the next steps kept here, their starts not stored, that wait for their turn (under the lock)."""
         handed: list[tuple[_Waiting, StepMessage]] = []
         staying: deque[tuple[_Waiting, Decision | Exception]] = deque()
         for waiting, answer in self._stored:
@@ -217,16 +224,14 @@ class GroupCommit:
                 staying.append((waiting, answer))
             else:
                 handed.append((waiting, message))
-        starts = [w for w in self._waiting if isinstance(w.store.change.event, Started)]
-        if starts:
-            self._waiting = [w for w in self._waiting if not isinstance(w.store.change.event, Started)]
-            handed += [(w, w.flight.message) for w in starts]
         if not handed:
             return
         self._stored = staying
-        self.consumer.service.publish([evolve(message, sent_at=time.time()) for _, message in handed])
-        log.info("%d step(s) waiting here, nothing of them stored, published instead, behind a long step", len(handed))
-        self._stored.extend((waiting, _HANDED_ON) for waiting, _ in handed)
+        try:
+            self.consumer.service.publish([evolve(message, sent_at=time.time()) for _, message in handed])
+            log.info("%d next step(s) kept here published instead, behind a long step", len(handed))
+        finally:  # ended here whatever happened: the requeue sweep publishes what did not go out
+            self._stored.extend((waiting, _HANDED_ON) for waiting, _ in handed)
 
     def _commit(self, group: list[_Waiting]) -> bool:
         """Store ``group`` in one commit; False when the database was unavailable to some of it."""
@@ -320,6 +325,10 @@ def _running(waiting: _Waiting, answer: Decision | Exception) -> StepMessage | N
     if isinstance(waiting.store.change.event, Started):
         return waiting.flight.message
     return answer.kept  # an outcome that started the flow's next step here
+
+
+def _given_back(message: StepMessage, known: Task | None, running: bool) -> Change:
+    return Change(message.task_id, Released(message.seq, running=running), known=known, worker=worker_name())
 
 
 def _kept_queued(answer: Decision | Exception | None) -> StepMessage | None:

@@ -135,15 +135,17 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class Released:
-    """A started attempt whose handler has not run goes to another worker.
+    """An attempt a worker holds, its handler not run, goes to another worker.
 
     A consumer process holding several deliveries stores their starts together,
     then runs their handlers one at a time: behind one that runs long, it gives
-    the others back. The same attempt goes out as a new message (a new seq, so
-    the copy it held is stale); it does not count as one of the step's tries.
+    the others back, started (``running``) or not yet. The same attempt goes out
+    as a new message (a new seq, so the copy it held is stale, and so is a report
+    of its loss should the process die); it is not one of the step's tries.
     """
 
     seq: int
+    running: bool = True  # its start was stored; else it is still queued
 
 
 # Outcomes carry ``started_at`` when the attempt's start was not recorded with
@@ -290,6 +292,8 @@ def stale(task: Task, event: StepEvent, now: float) -> str | None:
     expected = _EXPECTED_PHASE[type(event)]
     if unrecorded_start(event) is not None and active.phase is Phase.QUEUED:
         expected = Phase.QUEUED
+    if isinstance(event, Released) and not event.running:
+        expected = Phase.QUEUED
     if active.phase is not expected:
         return f"{type(event).__name__} for seq {event.seq} while it is {active.phase.name.lower()}"
     if isinstance(event, _SWEEPS) and (active.due_at is None or active.due_at > now):
@@ -428,7 +432,10 @@ def _released(task: Task, now: float, timing: Timing) -> Decision:
     active = task.active
     assert active is not None
     if task.cancel_requested and active.type is StepType.NORMAL:
-        return _cancelled_before_running(task, now, timing)  # its handler was not run: compensate now
+        if active.phase is Phase.RUNNING and task.steps[active.cursor].time_start == active.started_at:
+            # The step's first start, its handler never run: nothing of this step to undo.
+            task = task.with_step(active.cursor, state=StepState.PENDING, attempts=0, time_start=None)
+        return _cancelled_before_running(task, now, timing)
     return _dispatch(task, active.cursor, active.type, active.attempt, now, timing)
 
 

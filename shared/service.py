@@ -411,19 +411,17 @@ class TaskService:
             task = decision.task
             if task.status is not before.status and task.status.is_terminal:
                 metrics.FINISHED.labels(task.flow, task.status.label).inc()
-                # Committed with others (group commit), outside the attempt's own logging context.
+                # Committed outside any attempt's logging context (a group commit, a sweep, an operator):
+                # the line carries the attempt the task had outstanding.
                 fields = AttemptFields.of_active(before) if current_attempt() is None else None
                 with attempt_context(fields):
                     log.info(
                         "task finished",
                         extra={"task_id": task.task_id, "flow": task.flow, "status": task.status.label},
                     )
+            _count_try(before, task)
             carried = decision.kept
             for message in decision.messages:
-                if message.type is StepType.ROLLBACK and message.attempt == 1:
-                    metrics.ROLLBACKS.labels(message.flow, message.module).inc()
-                if message.attempt > 1:
-                    metrics.RETRIES.labels(message.module, message.command).inc()
                 if message is not carried:
                     # A first step published by the sweep (a batch's) carries its task as a submit's does.
                     messages.append(with_copy(message, task, before.version + 1) if message.seq == 1 else message)
@@ -590,6 +588,23 @@ class _Step:
         return evolve(decision, task=evolve(decision.task, version=before.version + 1))
 
 
+def _count_try(before: Task, after: Task) -> None:
+    """Counts the try ``after`` has outstanding if it is a new one: a retry or a rollback's first.
+
+    Not a try published again (requeued, due after its backoff, given back) or asked again to poll.
+    """
+    active, prior = after.active, before.active
+    if active is None or active.attempt == 1 and active.type is StepType.NORMAL:
+        return
+    if prior is not None and (prior.cursor, prior.type, prior.attempt) == (active.cursor, active.type, active.attempt):
+        return
+    action = after.steps[active.cursor].action(active.type)
+    if active.attempt > 1:
+        metrics.RETRIES.labels(action.module, action.command).inc()
+    elif active.type is StepType.ROLLBACK:
+        metrics.ROLLBACKS.labels(after.flow, action.module).inc()
+
+
 def with_copy(message: StepMessage, task: Task, version: int) -> StepMessage:
     """``message`` carrying ``task`` as stored at ``version`` (``StepMessage.known``): its
     consumer starts the step on that copy, without a read."""
@@ -624,8 +639,8 @@ def _attempt_record(
         return evolve(base, ended_at=now, outcome="succeeded", result=dict(event.result))
     if isinstance(event, PollLater):
         return evolve(base, ended_at=now, outcome="poll_later", result=dict(event.parameters))
-    if isinstance(event, Released):
-        return evolve(base, ended_at=now, outcome="released")  # its handler did not run
+    if isinstance(event, Released):  # its handler did not run; one not started has no record
+        return evolve(base, ended_at=now, outcome="released") if event.running else None
     if isinstance(event, Expire):
         return evolve(base, ended_at=now, outcome="expired", error=expiry(task, now, timing).error)
     outcome = "timed_out" if event.timed_out else "failed"

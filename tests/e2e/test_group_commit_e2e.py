@@ -84,7 +84,7 @@ def submit_batch(stack: Stack, tasks: list[tuple[str, dict[str, Any]]]) -> list[
 
 
 # The worker's lines that count what a consumer process handed on behind a long step.
-HANDED_ON = re.compile(r"(\d+) (?:step message\(s\) given back|step\(s\) waiting here|started step\(s\) given back)")
+HANDED_ON = re.compile(r"(\d+) (?:step message\(s\)|step\(s\)) given back behind a long step")
 
 
 def handed_on_count(stack: Stack, since: int) -> int:

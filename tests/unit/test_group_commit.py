@@ -18,12 +18,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shared import metrics
 from shared.config import Settings
 from shared.flows import load_flows
 from shared.group_commit import FLUSH_AFTER, Flight, GroupCommit
 from shared.logs import AttemptFields, attempt_context, current_attempt
 from shared.module import Module, StepContext
-from shared.saga import Cancel, Heartbeat
+from shared.saga import Cancel, Heartbeat, Released, Started
 from shared.states import Phase, TaskStatus
 from shared.storage import InMemoryStore, StorageUnavailable
 from shared.storage.base import Save
@@ -476,6 +477,7 @@ def test_with_starts_written_with_outcomes_next_steps_kept_here_are_handed_on_be
     assert [h.service.get(t).status for t in (first, second, taken)] == [TaskStatus.SUCCESS] * 3
     assert sorted(ran) == sorted((t, step) for t in (first, second, taken) for step in (0, 1))
 
+
 def published_for(h: Harness, task_id: str, cursor: int, within: float = 5.0) -> bool:
     """Waits until a message for ``task_id``'s step ``cursor`` is published; whether it was."""
     deadline = time.monotonic() + within
@@ -525,10 +527,11 @@ def test_a_held_delivery_whose_start_is_stored_is_given_back_behind_a_long_handl
     assert h.service.get(slow).status is TaskStatus.SUCCESS
 
 
-def test_a_delivery_whose_start_waits_for_its_commit_is_published_again_behind_a_long_handler() -> None:
+def test_a_delivery_whose_start_waits_for_its_commit_is_given_back_behind_a_long_handler() -> None:
     """Taken while another delivery's start was committed: the other's handler runs long before
-    the round commits this start. Nothing of it is stored: a copy of its message goes out, and the
-    delivery ends here without running it."""
+    the round commits this start. It is given back still queued: its attempt goes out as a new
+    message (the one held here stale), with nothing in the attempt log, and the delivery ends
+    here without running it."""
     h = harness({"alpha": Module("alpha"), "beta": testmod.beta})
     ran: list[tuple[str, int]] = []
     slow, waiting = submit_all(h, [("noop", {"long": True}), ("noop", {})])
@@ -550,10 +553,66 @@ def test_a_delivery_whose_start_waits_for_its_commit_is_published_again_behind_a
         group.work()
 
     assert seen == [True] and (waiting, 0) not in ran and sorted(ended) == sorted([slow, waiting])
-    [copy] = list(h.publisher.messages)
-    assert (copy.task_id, copy.seq) == (held.task_id, held.seq)  # the same message
-    assert h.service.attempts(waiting) == []  # nothing of it was stored
+    [again] = list(h.publisher.messages)
+    assert (again.task_id, again.seq, again.attempt) == (held.task_id, held.seq + 1, held.attempt)
+    assert h.service.attempts(waiting) == []
     take(h, group, 1)
     while len(group):
         group.work()
     assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2
+
+
+@pytest.mark.parametrize("failure", ["raised", "unavailable"])
+def test_a_held_delivery_that_could_not_be_given_back_runs_here_after_the_long_handler(failure: str) -> None:
+    """The commit that would give it back fails (a defect, or the database down): nothing is lost,
+    it runs here once the long handler ends, as before there was a give-back."""
+    h = harness({"alpha": Module("alpha"), "beta": testmod.beta})
+    slow, waiting = submit_all(h, [("short", {"long": True}), ("short", {})])
+    tried = threading.Event()
+    apply_many = h.service.apply_many
+
+    def failing(changes: Sequence[Any]) -> list[Any]:
+        if any(isinstance(c.event, Released) for c in changes):
+            tried.set()
+            if failure == "raised":
+                raise RuntimeError("a defect (test)")
+            return [StorageUnavailable("database down (test)")] * len(changes)
+        return apply_many(changes)
+
+    h.service.apply_many = failing  # type: ignore[method-assign]
+
+    @h.consumer.modules["alpha"].command("step")
+    def step(ctx: StepContext) -> None:
+        if ctx.parameters.get("long"):
+            tried.wait(5.0)
+
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    take(h, group, 2)
+    while len(group):
+        group.work()
+
+    assert tried.is_set()
+    assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2
+    assert [a.outcome for a in h.service.attempts(waiting)] == ["succeeded", "succeeded"]
+    assert not h.publisher.messages  # nothing went out for another consumer
+
+
+def test_a_retry_is_counted_once_however_often_its_message_goes_out() -> None:
+    """Counted when the try is dispatched: not again when published after its backoff, requeued
+    by the sweep, or given back."""
+    h = harness()
+    retries = metrics.RETRIES.labels("alpha", "step")
+    before = retries._value.get()
+    (task_id,) = submit_all(h, [("short", {"flaky": {"0": 1}})])
+    h.consumer.handle(h.publisher.messages.popleft())  # fails: its retry waits out its backoff
+    assert retries._value.get() == before + 1
+    h._release_due()  # published once due
+    h._release_due()  # not started by its requeue time: published again
+    assert [m.attempt for m in h.publisher.messages] == [2, 2]
+    message = h.publisher.messages.popleft()
+    h.service.apply(task_id, Started(message.seq))
+    h.service.apply(task_id, Released(message.seq))  # given back: the same try, as a new message
+    h.publisher.messages.clear()
+    run_alone(h)
+    assert h.service.get(task_id).status is TaskStatus.SUCCESS
+    assert retries._value.get() == before + 1

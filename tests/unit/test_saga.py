@@ -360,11 +360,37 @@ def test_only_a_running_attempt_can_be_given_back() -> None:
     assert "while it is queued" in (decide(task, Released(task.active.seq), 201.0).ignored or "")
 
 
-def test_a_cancelled_task_s_attempt_given_back_is_compensated_instead_of_run() -> None:
+def test_a_cancelled_task_s_first_attempt_given_back_is_not_run_nor_compensated() -> None:
     task = run(submitted(flow(0, 0)), Succeeded)
     seq = task.active.seq
     task = decide(task, Started(seq), 201.0).task
     task = decide(task, Cancel(), 202.0).task  # running: its outcome would start the rollback
     d = decide(task, Released(seq), 203.0)
-    assert d.task.status is TaskStatus.ROLLING_BACK and d.task.steps[1].state is StepState.CANCELLED
-    assert [(m.cursor, m.type) for m in d.messages] == [(1, StepType.ROLLBACK)]
+    # Its handler never ran: the compensation starts at the step before it.
+    assert d.task.status is TaskStatus.ROLLING_BACK
+    assert (d.task.steps[1].state, d.task.steps[1].attempts, d.task.steps[1].time_start) == (StepState.PENDING, 0, None)
+    assert [(m.cursor, m.type) for m in d.messages] == [(0, StepType.ROLLBACK)]
+
+
+def test_a_cancelled_task_s_retry_given_back_is_compensated_as_its_first_try_may_have_left_work() -> None:
+    task = submitted(flow(1, 0))
+    seq = task.active.seq
+    task = decide(task, Started(seq), 200.0).task
+    task = decide(task, Failed(seq, "boom"), 201.0).task
+    if task.active.phase is Phase.WAITING:  # its backoff
+        task = decide(task, Due(task.active.seq), task.active.due_at).task
+    seq = task.active.seq
+    task = decide(task, Started(seq), 300.0).task
+    task = decide(task, Cancel(), 301.0).task
+    d = decide(task, Released(seq), 302.0)
+    assert d.task.steps[0].state is StepState.CANCELLED
+    assert [(m.cursor, m.type) for m in d.messages] == [(0, StepType.ROLLBACK)]
+
+
+def test_a_queued_attempt_held_unstarted_is_given_back_only_while_still_queued() -> None:
+    task = submitted(flow(1))
+    seq = task.active.seq
+    d = decide(task, Released(seq, running=False), 201.0)
+    assert [(m.seq, m.cursor, m.attempt) for m in d.messages] == [(seq + 1, 0, 1)]
+    running = decide(task, Started(seq), 201.0).task  # another consumer took a copy of it first
+    assert decide(running, Released(seq, running=False), 202.0).ignored  # not this holder's to give back

@@ -134,13 +134,12 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
                 assert not beat.ignored and not beat.messages
                 assert beat.task.active.due_at == min(deadline, now + timing.heartbeat_timeout)
                 task = beat.task
-        if outcome == "release" and start is not None:
-            assert decide(task, Released(active.seq), now).ignored  # nothing stored it as running
-            continue
         seen_seqs.append(active.seq)
         if outcome == "release":
-            # Given back before its handler ran: the same attempt, as a new message.
-            released = decide(task, Released(active.seq), now)
+            # Given back before its handler ran, started or still queued: the same attempt, as a new message.
+            running = start is None
+            assert decide(task, Released(active.seq, running=not running), now).ignored  # not in that phase
+            released = decide(task, Released(active.seq, running=running), now)
             assert not released.ignored
             if task.cancel_requested and active.type is StepType.NORMAL:
                 assert released.task.status is TaskStatus.ROLLING_BACK or released.task.status in STOPPED
