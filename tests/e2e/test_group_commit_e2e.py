@@ -221,7 +221,7 @@ def test_a_held_delivery_is_handed_on_behind_a_long_handler(beating: Stack, tmp_
     assert [(a["cursor"], a["attempt"], a["outcome"]) for a in running_doc["attempts"]] == [(0, 1, "succeeded")]
 
 
-@pytest.fixture(scope="module", params=["postgres-rabbitmq", "postgres-redis"])
+@pytest.fixture(scope="module", params=["postgres-rabbitmq", "postgres-redis", "embedded"])
 def two_held(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two consumer processes holding up to eight deliveries each (the default); the requeue
     sweep's copies come after 30 s, so they do not run what a process holds meanwhile."""
