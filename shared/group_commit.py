@@ -166,7 +166,7 @@ class GroupCommit:
 
         Their deliveries then end here without running them. A failure is left to
         the rounds: what could not be handed on runs here after the long handler.
-        All of it is one commit.
+        All of it goes in one ``apply_many``.
         """
         with self._lock:
             self._publish_kept()
@@ -277,7 +277,9 @@ class GroupCommit:
             if waiting.store.patient:
                 if waiting.failing_since is None:
                     waiting.failing_since = now
-                    log.warning("storing the outcome failed, trying again: %s", exc)
+                    # In the words of a lone consumer's wait (shared.storage.patiently).
+                    pause = reconnect_delay(self._failures - 1)
+                    log.warning("database unavailable, storing the outcome again in %.1fs: %s", pause, exc)
                 if now - waiting.failing_since < self.consumer.settings.outcome_patience:
                     again.append(waiting)
                     continue

@@ -431,12 +431,30 @@ def _heartbeat(task: Task, now: float, timing: Timing) -> Decision:
 def _released(task: Task, now: float, timing: Timing) -> Decision:
     active = task.active
     assert active is not None
+    if active.phase is Phase.RUNNING:
+        task = _unstarted(task, active)
     if task.cancel_requested and active.type is StepType.NORMAL:
-        if active.phase is Phase.RUNNING and task.steps[active.cursor].time_start == active.started_at:
-            # The step's first start, its handler never run: nothing of this step to undo.
-            task = task.with_step(active.cursor, state=StepState.PENDING, attempts=0, time_start=None)
         return _cancelled_before_running(task, now, timing)
     return _dispatch(task, active.cursor, active.type, active.attempt, now, timing)
+
+
+def _unstarted(task: Task, active: Active) -> Task:
+    """``task`` with its step as it was before ``active`` first started it, if it did.
+
+    A step whose first start is given back never ran: it is not compensated, and
+    its start time is that of the start that runs it. A later one (a retry, a
+    poll again) follows a handler that did run, so the step stays as it is.
+    """
+    step = task.steps[active.cursor]
+    if active.type is StepType.NORMAL:
+        if step.time_start != active.started_at:
+            return task
+        return task.with_step(active.cursor, state=StepState.PENDING, attempts=0, time_start=None)
+    if step.rollback_time_start != active.started_at:
+        return task
+    return task.with_step(
+        active.cursor, rollback_state=StepState.PENDING, rollback_attempts=0, rollback_time_start=None
+    )
 
 
 def expiry(task: Task, now: float, timing: Timing) -> Failed:

@@ -616,3 +616,33 @@ def test_a_retry_is_counted_once_however_often_its_message_goes_out() -> None:
     run_alone(h)
     assert h.service.get(task_id).status is TaskStatus.SUCCESS
     assert retries._value.get() == before + 1
+
+
+def test_next_steps_kept_here_end_here_even_when_publishing_them_fails() -> None:
+    """Behind a long handler, a kept next step whose publish raises still ends its delivery here
+    (else the process could not stop); the requeue sweep publishes it."""
+    h = harness({"alpha": Module("alpha"), "beta": testmod.beta}, record_start_after=1.0)
+    first, taken = submit_all(h, [("short", {}), ("short", {"long": True})])
+    publish, tried = h.service.publish, threading.Event()
+
+    def failing(messages: Sequence[StepMessage]) -> None:
+        tried.set()
+        raise RuntimeError("the broker is gone (test)")
+
+    @h.consumer.modules["alpha"].command("step")
+    def step(ctx: StepContext) -> None:
+        if ctx.parameters.get("long") and ctx.cursor == 0:
+            h.service.publish = failing  # type: ignore[method-assign]
+            tried.wait(5.0)
+            h.service.publish = publish  # type: ignore[method-assign]
+
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    take(h, group, 1)
+    group.work()  # its outcome: step 1 kept here, queued
+    take(h, group, 1)  # its step 0 runs long
+    while len(group):
+        group.work()
+    assert tried.is_set()
+    assert h.service.get(first).active.phase is Phase.QUEUED  # type: ignore[union-attr]  # not run here
+    run_alone(h)
+    assert [h.service.get(t).status for t in (first, taken)] == [TaskStatus.SUCCESS] * 2

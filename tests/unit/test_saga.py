@@ -349,10 +349,12 @@ def test_a_started_attempt_given_back_goes_out_again_as_the_same_attempt() -> No
         seq + 1, 0, StepType.NORMAL, 1, Phase.QUEUED
     )
     assert [(m.seq, m.cursor, m.attempt) for m in d.messages] == [(seq + 1, 0, 1)]
-    assert d.task.status is TaskStatus.RUNNING  # a module did start it
+    assert d.task.status is TaskStatus.RUNNING  # a module did take it
+    step = d.task.steps[0]
+    assert (step.state, step.attempts, step.time_start) == (StepState.PENDING, 0, None)  # it never ran
     assert decide(d.task, Started(seq), 202.0).ignored  # the copy it held is stale
     restarted = decide(d.task, Started(seq + 1), 202.0).task
-    assert restarted.steps[0].attempts == 1 and restarted.steps[0].time_start == 200.0  # not a try of its own
+    assert restarted.steps[0].attempts == 1 and restarted.steps[0].time_start == 202.0
 
 
 def test_only_a_running_attempt_can_be_given_back() -> None:
@@ -394,3 +396,15 @@ def test_a_queued_attempt_held_unstarted_is_given_back_only_while_still_queued()
     assert [(m.seq, m.cursor, m.attempt) for m in d.messages] == [(seq + 1, 0, 1)]
     running = decide(task, Started(seq), 201.0).task  # another consumer took a copy of it first
     assert decide(running, Released(seq, running=False), 202.0).ignored  # not this holder's to give back
+
+
+@pytest.mark.parametrize("releases", [1, 2])
+def test_a_first_try_given_back_and_then_cancelled_is_not_compensated(releases: int) -> None:
+    task = run(submitted(flow(0, 0)), Succeeded)
+    for n in range(releases):
+        seq = task.active.seq
+        task = decide(task, Started(seq), 201.0 + n).task
+        task = decide(task, Released(seq), 201.5 + n).task
+    d = decide(task, Cancel(), 210.0)  # its new message still queued: compensated at once
+    assert d.task.steps[1].state is StepState.PENDING
+    assert [(m.cursor, m.type) for m in d.messages] == [(0, StepType.ROLLBACK)]

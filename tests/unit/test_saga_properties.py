@@ -76,6 +76,7 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
     failed_step: int | None = None
     compensated: list[int] = []  # rollbacks that succeeded, in order
     seen_seqs: list[int] = []
+    ran: set[int] = set()  # normal steps whose handler ran at least once
     polls = 0
 
     for _ in range(500):
@@ -96,6 +97,7 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
                     # work is done, so its outcome must still lead to its compensation.
                     task = decide(task, Succeeded(active.seq, started_at=now - 0.5), now).task
                     completed.append(active.cursor)
+                    ran.add(active.cursor)
                     seen_seqs.append(active.seq)
             continue
         if outcome == "duplicate" and seen_seqs:
@@ -152,6 +154,8 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
                 assert [m.seq for m in released.messages] == [again.seq]
             task = released.task
             continue
+        if active.type is StepType.NORMAL:
+            ran.add(active.cursor)  # its handler runs (or may have, if it expires)
         if outcome == "poll" and polls < 5:
             polls += 1
             task = decide(task, PollLater(active.seq, 2.0, started_at=start), now).task
@@ -182,7 +186,9 @@ def test_any_outcome_sequence_ends_stopped_with_exact_reverse_compensation(
     undo_candidates = completed + ([failed_step] if failed_step is not None else [])
     # A step cancelled between attempts (waiting for a retry or a poll) may have
     # left partial work, so it is compensated like a failed one.
-    undo_candidates += [i for i, s in enumerate(task.steps) if s.state is StepState.CANCELLED]
+    cancelled = {i for i, s in enumerate(task.steps) if s.state is StepState.CANCELLED}
+    assert cancelled <= ran, f"steps {cancelled - ran} compensated though their handlers never ran"
+    undo_candidates += sorted(cancelled)
     expected = [i for i in sorted(set(undo_candidates), reverse=True) if flow.steps[i].rollback]
 
     if task.status is TaskStatus.SUCCESS:
