@@ -15,11 +15,12 @@ interrupts its handler as before.
 No round waits to fill: a transition alone is committed at once. A transition
 waits only while the handlers of the deliveries resumed before its round's
 commit run; should one of them run past FLUSH_AFTER, the process's pulse thread
-(:data:`shared.consumer.PULSES`) hands on everything held here for its turn
+(:data:`shared.consumer.PULSES`) hands on what is held here for its turn
 (:meth:`GroupCommit.flush`): the outcomes waiting are committed and their next
-steps published for other consumers, the starts, committed or not, are given
-back (:class:`shared.saga.Released`: the same attempt, published as a new
-message), and next steps kept here without a stored start are published. What
+steps published for other consumers, and next steps kept here without a stored
+start are published; past RELEASE_AFTER, the starts, committed or not, are given
+back as well (:class:`shared.saga.Released`: the same attempt, published as a
+new message). What
 the consumer process read but did not start goes back to the broker
 (:class:`shared.messaging.consumers.GroupedStepMessages`). Only the long step
 itself stays. One held whose attempt's start a commit stored is running as far
@@ -54,6 +55,10 @@ log = logging.getLogger(__name__)
 # Outcomes wait about this long behind the handler of another delivery (the pulse
 # thread wakes a little late, up to shared.consumer.PULSE_SLACK).
 FLUSH_AFTER = 0.05
+# The starts held behind a handler that has run this long are given back. Each costs a
+# commit and a delivery more: a step of a few hundred milliseconds does not send the
+# others round again, one of seconds does not hold them.
+RELEASE_AFTER = 1.0
 
 
 @dataclass(eq=False)
@@ -151,16 +156,16 @@ class GroupCommit:
             self.consumer.sleep(reconnect_delay(self._failures - 1))
         return bool(resumed or group)
 
-    def flush(self) -> None:
+    def flush(self, give_back: bool = False) -> None:
         """Commit the outcomes waiting now, and hand on what waits here for its turn (the pulse
         thread, while a handler runs long, which would hold it as long as it runs).
 
         - An outcome's next step is published rather than run here.
         - A next step a commit kept here without storing its start (starts written
           with their outcomes) is published.
-        - A start, committed (a delivery's, or a next step's with the outcome before
-          it) or not yet (a delivery just taken), is given back
-          (:class:`~shared.saga.Released`): the same attempt goes out as a new
+        - With ``give_back``, a start, committed (a delivery's, or a next step's
+          with the outcome before it) or not yet (a delivery just taken), is given
+          back (:class:`~shared.saga.Released`): the same attempt goes out as a new
           message, and the one held here is stale, as is a report of its loss
           should this process die.
 
@@ -171,11 +176,13 @@ class GroupCommit:
         with self._lock:
             self._publish_kept()
             outcomes = [w for w in self._waiting if w.store.patient]
-            starts = [w for w in self._waiting if not w.store.patient]
-            started = [(w, a, m) for w, a in self._stored if isinstance(a, Decision) and (m := _running(w, a))]
+            starts = [w for w in self._waiting if not w.store.patient] if give_back else []
+            started = [
+                (w, a, m) for w, a in self._stored if give_back and isinstance(a, Decision) and (m := _running(w, a))
+            ]
             if not (outcomes or starts or started):
                 return
-            self._waiting = []
+            self._waiting = [w for w in self._waiting if not w.store.patient and not give_back]
             given = {id(w) for w, _, _ in started}
             self._stored = deque(entry for entry in self._stored if id(entry[0]) not in given)
             changes = [w.store.change._replace(keep=None) for w in outcomes]
@@ -290,7 +297,7 @@ class GroupCommit:
 
     def _resume(self, flight: Flight, answer: Decision | Exception | None) -> None:
         """Run ``flight`` on with ``answer`` up to its next transition, or to its end."""
-        flush = Once(lambda _: self.flush(), FLUSH_AFTER) if self._waiting or self._stored else None
+        flush = Once(self._behind(time.monotonic()), FLUSH_AFTER) if self._waiting or self._stored else None
         if flush is not None:  # this delivery's next handler may run long: what waits must not
             PULSES.add(flush, time.monotonic() + FLUSH_AFTER)
         try:
@@ -306,6 +313,19 @@ class GroupCommit:
                 flush.stop()
         with self._lock:
             self._waiting.append(_Waiting(flight, store))
+
+    def _behind(self, began: float) -> Callable[[Once], float | None]:
+        """What the pulse thread does behind a handler that began at ``began`` (monotonic) and runs on:
+        flush at FLUSH_AFTER, then give back the starts held at RELEASE_AFTER."""
+
+        def due(_: Once) -> float | None:
+            if time.monotonic() - began < RELEASE_AFTER:
+                self.flush()
+                return began + RELEASE_AFTER if self._stored or self._waiting else None
+            self.flush(give_back=True)
+            return None
+
+        return due
 
     def _end(self, flight: Flight, exc: BaseException | None) -> None:
         self._flights.remove(flight)

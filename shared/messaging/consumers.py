@@ -49,7 +49,7 @@ from kombu.entity import Queue
 from kombu.mixins import ConsumerMixin
 
 from shared.consumer import PULSES, Once, StepConsumer
-from shared.group_commit import Flight, GroupCommit
+from shared.group_commit import RELEASE_AFTER, Flight, GroupCommit
 from shared.logs import AttemptFields, attempt_context
 from shared.messaging import ALARM_TASK, JSON, LIMIT_MARGIN, STEP_TASK
 from shared.messaging.embedded import wake_for_stop
@@ -224,9 +224,10 @@ class GroupedStepMessages(StepMessages):
     cancelled until the round ends; on Redis, the message a BRPOP left in flight
     pops). Other consumers take them at once. What the long round has started
     is handed on by :meth:`GroupCommit.flush`: outcomes waiting are committed and
-    their next steps published, starts committed are given back as new
-    messages, and the rest is published; their deliveries end unrun once the
-    long step has.
+    their next steps published, and a handler that runs past RELEASE_AFTER has
+    the starts held behind it given back as new messages; their deliveries end
+    unrun once the long step has. After a round that long, the process takes one
+    message at a time until a round is quick again.
     """
 
     def __init__(
@@ -242,12 +243,20 @@ class GroupedStepMessages(StepMessages):
         self._consumers: list[Any] = []
         self._cancelled = False  # the consumers were cancelled behind a long round: consume again after it
         self._broken: BaseException | None = None  # giving back failed on the connection: it is made again
+        # After a round as long as RELEASE_AFTER the window is one message until ``prefetch`` rounds
+        # in a row are quick: steps that run for seconds gain nothing from being held together,
+        # and would otherwise be taken, started and given back round after round (a long step's
+        # flow may go on quickly in the round after it, so one quick round is not enough).
+        self._slow = False
+        self._quick_rounds = 0
+        self._window = prefetch
 
     def consume(self, limit: Any = None, timeout: Any = None, safety_interval: float = 1, **kwargs: Any) -> Any:
         """kombu's loop, in rounds: the deliveries held go on, then the broker is read, without waiting while any is held."""
         # What was read on a connection lost since is delivered again; the consumers made
         # next may be sent messages before they are handed over.
         self._taken, self._cancelled, self._broken = [], False, None
+        self._window = self.prefetch  # as get_consumers sets it
         with self.consumer_context(**kwargs) as (conn, _channel, consumers):
             self._consumers = consumers
             while not self.should_stop or len(self.group):
@@ -260,6 +269,11 @@ class GroupedStepMessages(StepMessages):
                     raise self._broken  # one of the transport's connection errors: kombu's loop connects again
                 with self._io:
                     try:
+                        window = 1 if self._slow else self.prefetch
+                        if window != self._window:
+                            self._window = window
+                            for each in consumers:
+                                each.qos(prefetch_count=window, apply_global=True)
                         if self._cancelled:
                             self._cancelled = False
                             for each in consumers:
@@ -279,8 +293,9 @@ class GroupedStepMessages(StepMessages):
         """Start what was read, and let the deliveries held go on: their handlers run here."""
         if not (len(self.group) or self._taken or self._later):
             return
+        began = time.monotonic()
         behind = Once(self.give_back, GIVE_BACK_AFTER)
-        PULSES.add(behind, time.monotonic() + GIVE_BACK_AFTER)
+        PULSES.add(behind, began + GIVE_BACK_AFTER)
         try:
             self._retry_due()
             while True:
@@ -295,6 +310,11 @@ class GroupedStepMessages(StepMessages):
             self.group.work()
         finally:
             behind.stop()
+            if time.monotonic() - began >= RELEASE_AFTER:
+                self._slow, self._quick_rounds = True, 0
+            elif self._slow:
+                self._quick_rounds += 1
+                self._slow = self._quick_rounds < self.prefetch
 
     def give_back(self, behind: Once) -> float | None:
         """The pulse thread, a round having run long: what nothing is stored of goes back to the broker.

@@ -316,3 +316,39 @@ def test_a_process_in_a_long_step_of_one_module_holds_no_message_of_another(two_
     _long_id, short_ids, long_pid = run_beside_a_long_step(two_single, tmp_path / "go", submitted_after=True)
     runs = [e for t in short_ids for e in two_single.executions(t)]
     assert long_pid not in {e["pid"] for e in runs}, runs
+
+
+def test_after_a_long_round_a_process_takes_one_message_at_a_time(held: Stack, tmp_path: Path) -> None:
+    """Three long steps held by one consumer process: behind the first, the others are handed on
+    once; the rounds after it take one message at a time, so no step is started and given back
+    again while the one before it runs."""
+    gates = [tmp_path / f"gate{i}" for i in range(3)]
+    task_ids = submit_batch(held, [("long", {"wait_for_file": {"0": str(gate)}}) for gate in gates])
+    since = log_size(held)
+    start_worker(held)
+    try:
+        for turn in range(3):
+            (running,) = wait_for(
+                lambda: [t for t in task_ids if running_now(held, t)] or None, 30, f"long step {turn + 1} to run"
+            )
+            if turn == 0:
+                wait_for(lambda: handed_on_count(held, since) >= 2, 30, "the other two handed on")
+            time.sleep(1.5)  # past RELEASE_AFTER: anything started behind this step would be given back
+            gates[task_ids.index(running)].touch()
+            held.wait_stopped(running, timeout=60)
+        docs = [held.wait_stopped(t, timeout=60) for t in task_ids]
+    finally:
+        for gate in gates:
+            gate.touch()
+        stop_worker(held)
+
+    assert [doc["task_status"] for doc in docs] == [0] * 3, docs
+    for doc in docs:
+        outcomes = [a["outcome"] for a in doc["attempts"]]
+        assert outcomes in (["succeeded"], ["released", "succeeded"]), outcomes  # handed on once at most
+    assert handed_on_count(held, since) == 2, "handed on again after the first long round"
+
+
+def running_now(stack: Stack, task_id: str) -> bool:
+    attempts = stack.get(task_id)["attempts"]
+    return bool(attempts) and attempts[-1]["outcome"] is None and stack.executions(task_id) != []

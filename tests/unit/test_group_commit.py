@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from shared import metrics
 from shared.config import Settings
 from shared.flows import load_flows
-from shared.group_commit import FLUSH_AFTER, Flight, GroupCommit
+from shared.group_commit import FLUSH_AFTER, RELEASE_AFTER, Flight, GroupCommit
 from shared.logs import AttemptFields, attempt_context, current_attempt
 from shared.module import Module, StepContext
 from shared.saga import Cancel, Heartbeat, Released, Started
@@ -646,3 +646,25 @@ def test_next_steps_kept_here_end_here_even_when_publishing_them_fails() -> None
     assert h.service.get(first).active.phase is Phase.QUEUED  # type: ignore[union-attr]  # not run here
     run_alone(h)
     assert [h.service.get(t).status for t in (first, taken)] == [TaskStatus.SUCCESS] * 2
+
+
+def test_a_handler_shorter_than_release_after_gives_back_nothing_it_holds() -> None:
+    """A step of a few hundred milliseconds: the start held behind it waits its turn rather than
+    going round again (a commit and a delivery more)."""
+    h = harness({"alpha": Module("alpha"), "beta": testmod.beta})
+    slow, waiting = submit_all(h, [("short", {"long": True}), ("short", {})])
+
+    assert FLUSH_AFTER < 0.3 < RELEASE_AFTER
+
+    @h.consumer.modules["alpha"].command("step")
+    def step(ctx: StepContext) -> None:
+        if ctx.parameters.get("long") and ctx.cursor == 0:
+            time.sleep(0.3)
+
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    take(h, group, 2)
+    while len(group):
+        group.work()
+    assert not h.publisher.messages
+    assert [a.outcome for a in h.service.attempts(waiting)] == ["succeeded", "succeeded"]
+    assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2
