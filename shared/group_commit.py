@@ -18,8 +18,8 @@ commit run; should one of them run past FLUSH_AFTER, the process's pulse thread
 (:data:`shared.consumer.PULSES`) hands on what is held here for its turn
 (:meth:`GroupCommit.flush`): the outcomes waiting are committed and their next
 steps published for other consumers, and next steps kept here without a stored
-start are published; past RELEASE_AFTER, the starts, committed or not, are given
-back as well (:class:`shared.saga.Released`: the same attempt, published as a
+start are published; once the round has run RELEASE_AFTER, the starts, committed
+or not, are given back as well (:class:`shared.saga.Released`: the same attempt, published as a
 new message). What
 the consumer process read but did not start goes back to the broker
 (:class:`shared.messaging.consumers.GroupedStepMessages`). Only the long step
@@ -55,9 +55,9 @@ log = logging.getLogger(__name__)
 # Outcomes wait about this long behind the handler of another delivery (the pulse
 # thread wakes a little late, up to shared.consumer.PULSE_SLACK).
 FLUSH_AFTER = 0.05
-# The starts held behind a handler that has run this long are given back. Each costs a
-# commit and a delivery more: a step of a few hundred milliseconds does not send the
-# others round again, one of seconds does not hold them.
+# The starts held in a round that has run this long are given back. Each costs a commit
+# and a delivery more: a step of a few hundred milliseconds does not send the others
+# round again, steps of seconds do not hold them.
 RELEASE_AFTER = 1.0
 
 
@@ -103,6 +103,7 @@ class GroupCommit:
         self._waiting: list[_Waiting] = []
         self._stored: deque[tuple[_Waiting, Decision | Exception]] = deque()
         self._lock = threading.Lock()  # _waiting and _stored: the pulse thread's flush takes them too
+        self._began = time.monotonic()  # when the last round began (work)
         self._failures = 0
 
     def __len__(self) -> int:
@@ -127,6 +128,7 @@ class GroupCommit:
 
         flight = Flight(key, message, self.consumer.steps(message, continue_until, ran_on))
         made.append(flight)
+        self._began = time.monotonic()  # its handler may run now (starts written with outcomes): timed from here
         self._flights.append(flight)
         self._note()
         self._resume(flight, None)
@@ -137,6 +139,7 @@ class GroupCommit:
         False when there was nothing to do.
         """
         resumed = False
+        self._began = time.monotonic()
         while True:
             with self._lock:  # one at a time: behind a long handler, the pulse thread hands on what is left
                 if not self._stored:
@@ -297,7 +300,7 @@ class GroupCommit:
 
     def _resume(self, flight: Flight, answer: Decision | Exception | None) -> None:
         """Run ``flight`` on with ``answer`` up to its next transition, or to its end."""
-        flush = Once(self._behind(time.monotonic()), FLUSH_AFTER) if self._waiting or self._stored else None
+        flush = Once(self._behind(self._began), FLUSH_AFTER) if self._waiting or self._stored else None
         if flush is not None:  # this delivery's next handler may run long: what waits must not
             PULSES.add(flush, time.monotonic() + FLUSH_AFTER)
         try:
@@ -315,8 +318,11 @@ class GroupCommit:
             self._waiting.append(_Waiting(flight, store))
 
     def _behind(self, began: float) -> Callable[[Once], float | None]:
-        """What the pulse thread does behind a handler that began at ``began`` (monotonic) and runs on:
-        flush at FLUSH_AFTER, then give back the starts held at RELEASE_AFTER."""
+        """What the pulse thread does behind a handler that runs on: flush at FLUSH_AFTER, then give
+        back the starts held once the round, begun at ``began`` (monotonic), has run RELEASE_AFTER.
+
+        The round's time, not the handler's: a start held behind several handlers of most
+        of a second each waits for no more than that either."""
 
         def due(_: Once) -> float | None:
             if time.monotonic() - began < RELEASE_AFTER:

@@ -668,3 +668,23 @@ def test_a_handler_shorter_than_release_after_gives_back_nothing_it_holds() -> N
     assert not h.publisher.messages
     assert [a.outcome for a in h.service.attempts(waiting)] == ["succeeded", "succeeded"]
     assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2
+
+
+def test_a_start_held_behind_several_handlers_waits_no_longer_than_release_after() -> None:
+    """Two handlers of most of a second each, one after the other in a round: the start held
+    behind both is given back once the round has run RELEASE_AFTER, though neither alone has."""
+    h = harness({"alpha": Module("alpha"), "beta": testmod.beta})
+    first, second, third = submit_all(h, [("short", {"long": True}), ("short", {"long": True}), ("short", {})])
+    assert 0.6 < RELEASE_AFTER < 1.2
+
+    @h.consumer.modules["alpha"].command("step")
+    def step(ctx: StepContext) -> None:
+        if ctx.parameters.get("long") and ctx.cursor == 0:
+            time.sleep(0.6)
+
+    group = GroupCommit(h.consumer, lambda flight, exc: None)
+    take(h, group, 3, runs_on=False)
+    while len(group):
+        group.work()
+    assert [a.outcome for a in h.service.attempts(third)] == ["released"]
+    assert [(m.task_id, m.cursor) for m in h.publisher.messages if m.task_id == third] == [(third, 0)]
