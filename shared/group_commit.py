@@ -19,9 +19,9 @@ commit run; should one of them run past FLUSH_AFTER, the process's pulse thread
 (:meth:`GroupCommit.flush`): the outcomes waiting are committed and their next
 steps published for other consumers, and next steps kept here without a stored
 start are published; once the round has run RELEASE_AFTER, the starts, committed
-or not, are given back as well (:class:`shared.saga.Released`: the same attempt, published as a
-new message). What
-the consumer process read but did not start goes back to the broker
+or not, are given back as well (:class:`shared.saga.Released`: the same attempt,
+published as a new message). What the consumer process read but did not start
+goes back to the broker
 (:class:`shared.messaging.consumers.GroupedStepMessages`). Only the long step
 itself stays. One held whose attempt's start a commit stored is running as far
 as the task shows, so from that commit until it is resumed or given back the
@@ -179,13 +179,14 @@ class GroupCommit:
         with self._lock:
             self._publish_kept()
             outcomes = [w for w in self._waiting if w.store.patient]
-            starts = [w for w in self._waiting if not w.store.patient] if give_back else []
-            started = [
-                (w, a, m) for w, a in self._stored if give_back and isinstance(a, Decision) and (m := _running(w, a))
-            ]
+            held = [w for w in self._waiting if not w.store.patient]  # starts not committed yet
+            starts, started = [], []
+            if give_back:
+                starts, held = held, []
+                started = [(w, a, m) for w, a in self._stored if isinstance(a, Decision) and (m := _running(w, a))]
             if not (outcomes or starts or started):
                 return
-            self._waiting = [w for w in self._waiting if not w.store.patient and not give_back]
+            self._waiting = held
             given = {id(w) for w, _, _ in started}
             self._stored = deque(entry for entry in self._stored if id(entry[0]) not in given)
             changes = [w.store.change._replace(keep=None) for w in outcomes]

@@ -224,10 +224,10 @@ class GroupedStepMessages(StepMessages):
     cancelled until the round ends; on Redis, the message a BRPOP left in flight
     pops). Other consumers take them at once. What the long round has started
     is handed on by :meth:`GroupCommit.flush`: outcomes waiting are committed and
-    their next steps published, and a handler that runs past RELEASE_AFTER has
-    the starts held behind it given back as new messages; their deliveries end
-    unrun once the long step has. After a round that long, the process takes one
-    message at a time until a round is quick again.
+    their next steps published, and once the round has run RELEASE_AFTER the
+    starts held in it are given back as new messages; their deliveries end unrun
+    once the long step has. After a round that long, the process takes one
+    message at a time until ``prefetch`` rounds in a row are quick.
     """
 
     def __init__(
@@ -247,8 +247,7 @@ class GroupedStepMessages(StepMessages):
         # in a row are quick: steps that run for seconds gain nothing from being held together,
         # and would otherwise be taken, started and given back round after round (a long step's
         # flow may go on quickly in the round after it, so one quick round is not enough).
-        self._slow = False
-        self._quick_rounds = 0
+        self._quick_rounds = prefetch
         self._window = prefetch
 
     def consume(self, limit: Any = None, timeout: Any = None, safety_interval: float = 1, **kwargs: Any) -> Any:
@@ -269,7 +268,7 @@ class GroupedStepMessages(StepMessages):
                     raise self._broken  # one of the transport's connection errors: kombu's loop connects again
                 with self._io:
                     try:
-                        window = 1 if self._slow else self.prefetch
+                        window = self.prefetch if self._quick_rounds >= self.prefetch else 1
                         if window != self._window:
                             self._window = window
                             for each in consumers:
@@ -310,11 +309,8 @@ class GroupedStepMessages(StepMessages):
             self.group.work()
         finally:
             behind.stop()
-            if time.monotonic() - began >= RELEASE_AFTER:
-                self._slow, self._quick_rounds = True, 0
-            elif self._slow:
-                self._quick_rounds += 1
-                self._slow = self._quick_rounds < self.prefetch
+            long_round = time.monotonic() - began >= RELEASE_AFTER
+            self._quick_rounds = 0 if long_round else min(self._quick_rounds + 1, self.prefetch)
 
     def give_back(self, behind: Once) -> float | None:
         """The pulse thread, a round having run long: what nothing is stored of goes back to the broker.
