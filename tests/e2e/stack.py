@@ -38,6 +38,12 @@ class Stack:
     worker_groups: list[list[str]] | None  # None: everything through `asyncflow up`
     port: int = field(default_factory=free_port)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # One client for every call a test makes: httpx.get builds a client, and with it an SSL
+    # context, per call (tens of ms on a slow host; a wait over 520 tasks took half a minute).
+    # No connection is kept, as tests kill the API and start it again.
+    http: httpx.Client = field(
+        default_factory=lambda: httpx.Client(timeout=10, limits=httpx.Limits(max_keepalive_connections=0))
+    )
 
     @property
     def url(self) -> str:
@@ -96,7 +102,7 @@ class Stack:
             if proc.poll() is not None:
                 raise AssertionError(f"{key} exited with {proc.returncode}:\n{self.log(key)}")
         try:
-            return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
+            return self.http.get(self.url + "/healthz", timeout=1).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -137,22 +143,23 @@ class Stack:
             except ProcessLookupError:
                 pass
             proc.wait()
+        self.http.close()
 
     # --- API helpers -------------------------------------------------------------
 
     def submit(self, flow: str, parameters: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
         body = {"flow": flow, "parameters": parameters or {}, **extra}
-        response = httpx.post(self.url + "/api/tasks", json=body, timeout=10)
+        response = self.http.post(self.url + "/api/tasks", json=body)
         assert response.status_code in (200, 201), response.text
         return response.json()
 
     def get(self, task_id: str) -> dict[str, Any]:
-        response = httpx.get(f"{self.url}/api/tasks/{task_id}", timeout=10)
+        response = self.http.get(f"{self.url}/api/tasks/{task_id}")
         assert response.status_code == 200, response.text
         return response.json()
 
     def post(self, path: str) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=10)
+        return self.http.post(self.url + path)
 
     def wait_stopped(self, task_id: str, timeout: float = 60) -> dict[str, Any]:
         last: dict[str, Any] = {}

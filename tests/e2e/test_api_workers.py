@@ -7,7 +7,6 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from shared.testing import wait_for
@@ -35,14 +34,14 @@ def api(tmp_path: Path) -> Iterator[Stack]:
 def test_two_api_processes_serve_one_port_and_their_metrics_add_up(api: Stack) -> None:
     # Enough connections that both processes accept some (each is a new connection).
     for _ in range(40):
-        response = httpx.post(f"{api.url}/api/tasks", json={"flow": "noop", "parameters": {}})
+        response = api.http.post(f"{api.url}/api/tasks", json={"flow": "noop", "parameters": {}})
         assert response.status_code == 201, response.text
     started = set(re.findall(r"api\[(\d+)\].*Started server process", api.log("api", tail=None)))
     assert len(started) == 2, started
     # Whichever process took each request, /metrics counts all of them: the other
     # process's counts as of its last registry renewal (every heartbeat interval).
     wait_for(
-        lambda: 'asyncflow_tasks_submitted_total{flow="noop"} 40.0' in httpx.get(f"{api.url}/metrics").text,
+        lambda: 'asyncflow_tasks_submitted_total{flow="noop"} 40.0' in api.http.get(f"{api.url}/metrics").text,
         30,
         "both API processes' submissions in /metrics",
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from shared.testing import wait_for
@@ -40,7 +39,7 @@ def phases(stack: Stack, task_ids: list[str]) -> dict[str, int]:
 
 def test_a_batch_is_published_as_far_as_its_queue_has_room(paced: Stack) -> None:
     body = {"tasks": [{"flow": "short", "parameters": {}} for _ in range(30)]}
-    answer = httpx.post(paced.url + "/api/batches", json=body, timeout=30)
+    answer = paced.http.post(paced.url + "/api/batches", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
     ids = [t["task_id"] for t in answer.json()["tasks"]]
     wait_for(lambda: phases(paced, ids).get("queued") == AHEAD, 30, f"{AHEAD} first steps to be published")

@@ -88,7 +88,7 @@ class Load:
         deadline = time.monotonic() + 120
         while True:
             try:
-                response = httpx.post(self.stack.url + "/api/tasks", json=body, timeout=15)
+                response = self.stack.http.post(self.stack.url + "/api/tasks", json=body, timeout=15)
                 if response.status_code in (200, 201):
                     self.accepted[task_id] = mode
                     return
@@ -169,7 +169,7 @@ def test_chaos_soak_every_accepted_task_ends_and_the_ledger_balances(
     settled = time.monotonic()
 
     # Nothing unaccepted was stored; everything accepted ended as the saga says.
-    stored = {t["task_id"] for t in httpx.get(chaos.url + "/api/tasks", params={"limit": 1000}).json()["tasks"]}
+    stored = {t["task_id"] for t in chaos.http.get(chaos.url + "/api/tasks", params={"limit": 1000}).json()["tasks"]}
     assert stored == set(load.accepted)
     by_id = {d["task_id"]: d for d in docs}
     wrong = {t: (m, by_id[t]["task_status"]) for t, m in load.accepted.items() if by_id[t]["task_status"] != MODES[m][1]}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from modules import _db, monitor, mysql, resource
@@ -41,7 +40,7 @@ def drop_instances(stack: Stack) -> None:
     admin = stack.env.get("ASYNCFLOW_MYSQL_ADMIN_URL")
     if admin is None:
         return
-    listed = httpx.get(f"{stack.url}/api/tasks", params={"limit": 1000}, timeout=10)
+    listed = stack.http.get(f"{stack.url}/api/tasks", params={"limit": 1000}, timeout=10)
     assert listed.status_code == 200, listed.text
     server = mysql.PostgresServer(admin)
     for name in {t["parameters"].get("InstanceName") for t in listed.json()["tasks"]} - {None}:

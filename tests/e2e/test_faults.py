@@ -242,7 +242,7 @@ def test_scheduler_killed_as_it_publishes_a_batch_loses_no_flow_and_runs_none_tw
     messages after its commit on purpose."""
     faulty.kill("scheduler")
     body = {"tasks": [{"flow": "short", "parameters": {}} for _ in range(520)]}  # two sweep groups: 500, 20
-    answer = httpx.post(faulty.url + "/api/batches", json=body, timeout=60)
+    answer = faulty.http.post(faulty.url + "/api/batches", json=body, timeout=60)
     assert answer.status_code == 200, answer.text
     ids = [t["task_id"] for t in answer.json()["tasks"]]
     assert {faulty.get(i)["current"]["phase"] for i in ids[:20]} == {"waiting"}  # stored, nothing published
@@ -283,7 +283,7 @@ def test_api_killed_between_requests_loses_nothing(faulty: Stack) -> None:
 
 def _answers(stack: Stack) -> bool:
     try:
-        return httpx.get(stack.url + "/healthz", timeout=1).status_code == 200
+        return stack.http.get(stack.url + "/healthz", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
 

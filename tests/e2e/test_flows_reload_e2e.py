@@ -42,7 +42,7 @@ def write_flows(path: Path, **extra: Any) -> None:
 
 
 def submit(stack: Stack, flow: str, parameters: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{stack.url}/api/tasks", json={"flow": flow, "parameters": parameters}, timeout=10)
+    return stack.http.post(f"{stack.url}/api/tasks", json={"flow": flow, "parameters": parameters}, timeout=10)
 
 
 def count(stack: Stack, key: str, text: str) -> int:

@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from shared.testing import wait_for
@@ -67,10 +66,10 @@ def test_database_outage_503_then_recovery_without_restart(outage: Stack, tmp_pa
     subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "stop", "-m", "fast"],
                    check=True, capture_output=True, timeout=120)
     try:
-        response = httpx.get(f"{outage.url}/api/tasks/{task['task_id']}", timeout=10)
+        response = outage.http.get(f"{outage.url}/api/tasks/{task['task_id']}", timeout=10)
         assert response.status_code == 503
         assert "database is unavailable" in response.json()["error"]
-        refused = httpx.post(outage.url + "/api/tasks", json={"flow": "short"}, timeout=10)
+        refused = outage.http.post(outage.url + "/api/tasks", json={"flow": "short"}, timeout=10)
         assert refused.status_code == 503
         gate.touch()  # the handler finishes while the database is down
         wait_for(lambda: "storing the outcome again" in outage.log(BETA, tail=None), 30, "the outcome retries")

@@ -10,7 +10,6 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from shared.testing import wait_for
@@ -120,7 +119,7 @@ def test_a_worker_that_vanishes_with_the_lease_is_replaced_and_its_late_report_r
     task = stack.submit("with_dns", {"Name": "db4"})
 
     def hold() -> list[dict]:
-        answer = httpx.post(f"{stack.url}/v1/hold_tasks", json={"task_type": "dns"}, timeout=10).json()
+        answer = stack.http.post(f"{stack.url}/v1/hold_tasks", json={"task_type": "dns"}, timeout=10).json()
         assert answer["code"] == 0, answer
         return answer["task_list"]
 
@@ -130,11 +129,11 @@ def test_a_worker_that_vanishes_with_the_lease_is_replaced_and_its_late_report_r
     assert doc["task_status"] == 0, doc
     assert doc["steps"][1]["attempts"] == 2
     late = {"task_data": {"task_id": lost["task_id"], "status": 3, "task_content": "{}"}}
-    answer = httpx.post(f"{stack.url}/v1/set_task", json=late, timeout=10).json()
+    answer = stack.http.post(f"{stack.url}/v1/set_task", json=late, timeout=10).json()
     assert answer["code"] == 3 and "over" in answer["msg"], answer
 
 
 def test_the_module_is_listed_as_a_task_type(stack: Stack) -> None:
-    listed = httpx.get(f"{stack.url}/v1/get_task_schedule_cfg_list", timeout=10).json()
+    listed = stack.http.get(f"{stack.url}/v1/get_task_schedule_cfg_list", timeout=10).json()
     assert any(t["task_type"] == "dns" and t["max_retry_num"] == 0 for t in listed["task_schedule_cfg_list"])
     assert Path(WORKER).stat().st_mode & 0o111

@@ -51,7 +51,7 @@ def test_a_batch_runs_each_flow_as_a_single_submit_would(stack: Stack) -> None:
     ids = [f"batch-{uuid.uuid4().hex[:8]}-{i}" for i in range(12)]
     fails = {ids[3], ids[7]}
     body = {"tasks": [{"flow": "three", "task_id": i, "parameters": {"fail_at": [1]} if i in fails else {}} for i in ids]}
-    answer = httpx.post(stack.url + "/api/batches", json=body, timeout=30)
+    answer = stack.http.post(stack.url + "/api/batches", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
     assert [(t["task_id"], t["created"]) for t in answer.json()["tasks"]] == [(i, True) for i in ids]
     for task_id in ids:
@@ -200,7 +200,7 @@ def test_concurrent_submits_are_each_answered_as_alone_and_each_new_flow_runs_on
 
     def post(body: dict[str, Any]) -> httpx.Response:
         start.wait(10)
-        return httpx.post(stack.url + "/api/tasks", json=body, timeout=30)
+        return stack.http.post(stack.url + "/api/tasks", json=body, timeout=30)
 
     with ThreadPoolExecutor(len(bodies)) as pool:
         answers = list(pool.map(post, bodies))

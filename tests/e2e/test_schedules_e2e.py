@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from sqlalchemy import create_engine, select
 
@@ -54,7 +53,7 @@ def leader_pid(stack: Stack) -> int | None:
 
 
 def runs(stack: Stack, schedule_id: str) -> list[dict[str, Any]]:
-    response = httpx.get(f"{stack.url}/api/schedules/{schedule_id}/runs", params={"limit": 1000}, timeout=10)
+    response = stack.http.get(f"{stack.url}/api/schedules/{schedule_id}/runs", params={"limit": 1000}, timeout=10)
     assert response.status_code == 200, response.text
     return list(response.json()["runs"])
 
@@ -64,7 +63,7 @@ def test_schedules_fire_exactly_once_across_scheduler_kills(stack: Stack) -> Non
     for key in extra:
         stack.spawn(key, "scheduler")
     body = {"schedule_id": "each-second", "flow": "noop", "every": 1, "overlap": "allow_all"}
-    created = httpx.post(f"{stack.url}/api/schedules", json=body, timeout=10)
+    created = stack.http.post(f"{stack.url}/api/schedules", json=body, timeout=10)
     assert created.status_code == 201, created.text
     assert len(created.json()["next_fire_times"]) == 5
 
@@ -79,7 +78,7 @@ def test_schedules_fire_exactly_once_across_scheduler_kills(stack: Stack) -> Non
         stack.respawn(key)
     seen = len(runs(stack, "each-second"))
     wait_for(lambda: len(runs(stack, "each-second")) >= seen + LEASE_TTL + 3, 20, "firings after the last kill")
-    httpx.post(f"{stack.url}/api/schedules/each-second/pause", json={"note": "test over"}, timeout=10)
+    stack.http.post(f"{stack.url}/api/schedules/each-second/pause", json={"note": "test over"}, timeout=10)
 
     records = runs(stack, "each-second")
     times = sorted(r["scheduled_at"] for r in records)

@@ -8,7 +8,6 @@ import subprocess
 from collections import Counter
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from tests.conftest import require_service
@@ -31,9 +30,9 @@ def v1_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 def v1(stack: Stack, path: str, body: dict | None = None) -> dict:
     if body is None:
-        response = httpx.get(f"{stack.url}/v1/{path}", timeout=10)
+        response = stack.http.get(f"{stack.url}/v1/{path}", timeout=10)
     else:
-        response = httpx.post(f"{stack.url}/v1/{path}", json=body, timeout=10)
+        response = stack.http.post(f"{stack.url}/v1/{path}", json=body, timeout=10)
     assert response.status_code == 200, response.text
     return response.json()
 

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.e2e.conftest import open_stack
@@ -52,9 +51,9 @@ def v1_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 def v1(stack: Stack, path: str, body: dict[str, Any] | None = None, **query: Any) -> dict[str, Any]:
     if body is None:
-        response = httpx.get(f"{stack.url}/v1/{path}", params=query, timeout=10)
+        response = stack.http.get(f"{stack.url}/v1/{path}", params=query, timeout=10)
     else:
-        response = httpx.post(f"{stack.url}/v1/{path}", json=body, timeout=10)
+        response = stack.http.post(f"{stack.url}/v1/{path}", json=body, timeout=10)
     assert response.status_code == 200, response.text
     answer = response.json()
     assert answer["code"] == 0 and answer["msg"] == "SUCCESS", answer
