@@ -248,9 +248,14 @@ def print_cpu(summary: dict[str, Any]) -> None:
     print(f"    of which this script ({role}): {c['script_seconds']:.2f} CPU-s  "
           f"{1000 * c['script_seconds'] / max(summary['config']['flows'], 1):.2f} ms/flow")
     print(f"  machine busy {c['machine_busy_pct']:.0f}%")
-    print("Resident memory (MiB, each process tree summed; at the start -> at the end):")
-    for key, (start, end) in c["rss_mib"].items():
-        print(f"  {key:<10} {start:7.1f} -> {end:7.1f}  ({100 * (end - start) / start if start else 0:+.1f} %)")
+    print("Resident memory (MiB, each process tree summed; at the start -> halfway -> at the end):")
+    for key, (start, middle, end) in c["rss_mib"].items():
+        print(f"  {key:<10} {start:7.1f} -> {middle:7.1f} -> {end:7.1f}  ({_growth(start, end):+.1f} % over the run, "
+              f"{_growth(middle, end):+.1f} % over its second half)")
+
+
+def _growth(before: float, after: float) -> float:
+    return 100 * (after - before) / before if before else 0.0
 
 
 def print_report(summary: dict[str, Any]) -> None:

@@ -164,7 +164,33 @@ class Measured:
     busy: float  # CPU seconds the whole machine was busy
     total: float  # CPU seconds the whole machine had
     servers: dict[str, float]  # CPU seconds of the database and broker servers (in "others")
-    rss: dict[str, tuple[float, float]]  # resident MiB of each process tree at the start and at the end
+    # Resident MiB of each process tree at the start, halfway through the window and at the end: a
+    # working set filled in a run's first seconds shows from the start, a leak in the second half too.
+    rss: dict[str, tuple[float, float, float]]
+
+
+class RssSamples:
+    """Each process tree's resident memory, read once a second on a thread of its own."""
+
+    def __init__(self, procs: Processes) -> None:
+        self._procs = procs
+        self._samples: list[tuple[float, dict[str, float]]] = [(time.monotonic(), procs.rss())]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self._samples.append((time.monotonic(), self._procs.rss()))
+
+    def stop(self) -> dict[str, tuple[float, float, float]]:
+        self._stop.set()
+        self._thread.join()
+        end = self._procs.rss()
+        first_at, first = self._samples[0]
+        half = first_at + (time.monotonic() - first_at) / 2
+        _, middle = min(self._samples, key=lambda sample: abs(sample[0] - half))
+        return {k: (v, middle.get(k, 0.0), end.get(k, 0.0)) for k, v in first.items()}
 
 
 def measure(args: argparse.Namespace, procs: Processes, send: Send, finished: Callable[[Submitted], bool],
@@ -172,7 +198,7 @@ def measure(args: argparse.Namespace, procs: Processes, send: Send, finished: Ca
     """Submit ``args.flows`` flows in the mode ``args`` asks for and wait until ``finished``."""
     deadline = time.monotonic() + args.timeout
     cpu0, script0, machine0, servers0 = procs.cpu(), sum(os.times()[:2]), machine_cpu(), servers_cpu()
-    rss0 = procs.rss()
+    rss = RssSamples(procs)
     t0 = time.perf_counter()
     if args.rate:
         log(f"submitting {args.flows} flows at {args.rate:g}/s")
@@ -194,7 +220,7 @@ def measure(args: argparse.Namespace, procs: Processes, send: Send, finished: Ca
         script_cpu=script1 - script0,
         busy=machine1[0] - machine0[0], total=machine1[1] - machine0[1],
         servers={k: round(servers1[k] - servers0[k], 2) for k in servers0},
-        rss={k: (v, procs.rss().get(k, 0.0)) for k, v in rss0.items()},
+        rss=rss.stop(),
     )
 
 
