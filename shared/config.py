@@ -45,8 +45,8 @@ class Settings(BaseSettings):
     # handlers still run one at a time, and their transitions (starts, outcomes) are
     # committed together, several in one transaction (group commit); behind a step that
     # runs long, what the process holds and has not run goes to other consumers (what it
-    # has not started within about 50 ms, the starts it stored once its round has run a
-    # second). 1: one at a time, each transition committed alone.
+    # read and has not started within about 50 ms, its starts, stored or not, once its
+    # round has run a second). 1: one at a time, each transition committed alone.
     worker_prefetch: int = Field(default=8, ge=1, le=64)
     # Port for a worker's Prometheus metrics (its pool processes included); 0 = off.
     worker_metrics_port: int = 0

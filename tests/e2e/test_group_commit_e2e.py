@@ -88,14 +88,18 @@ HANDED_ON = re.compile(r"(\d+) (?:step message\(s\)|step\(s\)) given back behind
 
 def handed_on_count(stack: Stack, since: int) -> int:
     """How many deliveries the worker's log says were handed on behind a long step, after offset ``since``."""
-    path = stack.home / f"{WORKER}.log"
+    path = worker_log(stack)
     text = path.read_bytes()[since:].decode(errors="replace") if path.exists() else ""
     return sum(int(n) for n in HANDED_ON.findall(text))
 
 
 def log_size(stack: Stack) -> int:
-    path = stack.home / f"{WORKER}.log"
+    path = worker_log(stack)
     return path.stat().st_size if path.exists() else 0
+
+
+def worker_log(stack: Stack) -> Path:
+    return stack.home / f"{WORKER}.log"
 
 
 def test_a_consumer_process_killed_holding_several_deliveries_has_each_reported_lost(
