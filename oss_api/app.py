@@ -27,6 +27,7 @@ from oss_api.auth import (
     visible_task,
 )
 from oss_api.coalesce import Coalescer
+from oss_api.direct import DirectPosts, post_endpoints
 from oss_api.limits import BodyLimit, check_parameters_size
 from oss_api.metrics import StackMetrics
 from oss_api.schedules import schedule_routes
@@ -90,9 +91,12 @@ def create_app(runtime: Runtime) -> FastAPI:
     errors.install(app)
     docs.install(app)
 
+    v1 = v1_routes(runtime)
+    # Added last, BodyLimit wraps DirectPosts: it counts what the direct routes read too.
+    app.add_middleware(DirectPosts, endpoints=post_endpoints(v1, "create_task", "hold_tasks", "set_task"))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(_task_routes(runtime))
-    app.include_router(v1_routes(runtime))
+    app.include_router(v1)
     app.include_router(schedule_routes(runtime))
     install_ui(app, runtime)  # the dashboard at /ui (oss_api/ui), left out of the OpenAPI schema
 

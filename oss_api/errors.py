@@ -109,11 +109,15 @@ def _body(
     return JSONResponse(status_code=status, content=content, headers=headers)
 
 
+def service_error(exc: ServiceError) -> JSONResponse:
+    """The answer to ``exc``, wherever it is raised: its status, its message, its fields and headers."""
+    return _body(exc.status_code, str(exc), getattr(exc, "detail", None), headers=getattr(exc, "headers", None))
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
-    async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        detail = getattr(exc, "detail", None)
-        return _body(exc.status_code, str(exc), detail, headers=getattr(exc, "headers", None))
+    async def service_error_handler(_: Request, exc: ServiceError) -> JSONResponse:
+        return service_error(exc)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
