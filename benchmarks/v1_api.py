@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -215,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             "hold_tasks": {"task_type": "bench_hold"},
         }
         results = {}
-        with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
+        # wrk needs no client processes: starting them would take the CPU from the first phase.
+        workers: Any = multiprocessing.get_context("spawn").Pool(args.clients) if args.load == "python" else nullcontext()
+        with workers as pool:
             for name, body in calls.items():
                 log(f"{name} phase")
                 api_before, pg_before = stack.cpu()["api"], servers_cpu()["postgresql"]
