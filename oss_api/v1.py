@@ -427,6 +427,9 @@ def v1_routes(runtime: Runtime) -> APIRouter:
         who = request_caller(request)
         try:
             body = await _parse(request, HoldTasks)
+        except V1Error as exc:  # and nothing else: a body over the limit is BodyLimit's to answer
+            return _json(fail(exc.reason, str(exc)))
+        try:
             admin(who)
             held = [task_json(t) for t in await holds((body.task_type, body.heartbeat))]
         except Exception as exc:

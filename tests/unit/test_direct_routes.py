@@ -8,6 +8,7 @@ routes out of it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def test_an_unknown_key_is_answered_as_on_every_route(client: TestClient, path: 
 
 @pytest.mark.parametrize("path", DIRECT)
 @pytest.mark.parametrize("declared", [True, False])
-def test_a_body_over_the_limit_is_a_413(client: TestClient, path: str, declared: bool) -> None:
+def test_a_body_over_the_limit_is_a_413(
+    client: TestClient, path: str, declared: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     body = b'{"task_data": {"task_type": "video", "task_content": "' + b"a" * MAX_BODY + b'"}}'
     # Without a length declared, the limit is found while the body is read.
     content = body if declared else iter([body[:100], body[100:]])
@@ -69,6 +72,7 @@ def test_a_body_over_the_limit_is_a_413(client: TestClient, path: str, declared:
     assert response.status_code == 413
     assert response.json() == {"error": f"request body over {MAX_BODY} bytes"}
     assert client.get("/v1/get_task_list", headers=bearer(ROOT)).json()["task_list"] == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []  # not a failure of ours
 
 
 @pytest.mark.parametrize("path", DIRECT)
