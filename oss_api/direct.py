@@ -5,10 +5,11 @@ FastAPI's route wrapper then solves the endpoint's dependencies inside two exit
 stacks: served past them, create_task and hold_tasks take two fifths less of the
 API's CPU a call (benchmarks/README.md, "The v1 calls in front of the router").
 
-An endpoint served here takes the request alone and answers every outcome itself,
-but for a key the caller may not use, which is answered as the router's handler
-answers it. Its route stays registered: the OpenAPI document describes it, and any
-other method on its path is the router's to answer.
+An endpoint served here takes the request alone and answers every outcome itself
+but a missing or unknown key, whose 401 is the one the router's handler gives.
+Its route stays registered: the OpenAPI document describes it, and any other
+method on its path is the router's to answer. So is every request while FastAPI's
+OpenTelemetry instrumentation is on, which learns the route's name from the router.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ class DirectPosts:
         self.endpoints = dict(endpoints)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # By the whole path: behind a root_path a request goes to the router, as before.
-        endpoint = self.endpoints.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        # By the whole path as the server gives it: a path the table does not name,
+        # a root_path's prefix included, is the router's.
+        endpoint = None
+        if scope["type"] == "http" and scope["method"] == "POST" and scope.get("fastapi.telemetry") is None:
+            endpoint = self.endpoints.get(scope["path"])
         if endpoint is None:
             await self.app(scope, receive, send)
             return
@@ -45,6 +49,9 @@ class DirectPosts:
 
 
 def post_endpoints(router: APIRouter, *names: str) -> dict[str, Endpoint]:
-    """The endpoints of ``router``'s POST routes named ``names``, by path."""
+    """The endpoints of ``router``'s POST routes named ``names``, by path.
+
+    The paths are the router's own: it must be included in the app without a prefix.
+    """
     routes = {r.name: r for r in router.routes if isinstance(r, APIRoute) and r.methods == {"POST"}}
     return {routes[name].path: routes[name].endpoint for name in names}

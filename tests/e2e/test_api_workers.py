@@ -32,16 +32,16 @@ def api(tmp_path: Path) -> Iterator[Stack]:
 
 
 def test_two_api_processes_serve_one_port_and_their_metrics_add_up(api: Stack) -> None:
-    # Enough connections that both processes accept some (each is a new connection).
-    for _ in range(40):
-        response = api.http.post(f"{api.url}/api/tasks", json={"flow": "noop", "parameters": {}})
-        assert response.status_code == 201, response.text
     # The fixture waited for one process to answer; the other may still be starting.
     wait_for(
         lambda: len(set(re.findall(r"api\[(\d+)\].*Started server process", api.log("api", tail=None)))) == 2,
         60,
         "both API processes to start",
     )
+    # Enough connections that both processes accept some (each is a new connection).
+    for _ in range(40):
+        response = api.http.post(f"{api.url}/api/tasks", json={"flow": "noop", "parameters": {}})
+        assert response.status_code == 201, response.text
     # Whichever process took each request, /metrics counts all of them: the other
     # process's counts as of its last registry renewal (every heartbeat interval).
     wait_for(

@@ -22,6 +22,8 @@ SUPPORT = Path(__file__).resolve().parents[1] / "support"
         ({"FASTAPI_OTEL_AUTO_CONFIGURE": "TRUE"}, True),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, True),
         ({"OTEL_SERVICE_NAME": "asyncflow-api"}, True),
+        ({"OTEL_SDK_DISABLED": "true", "OTEL_SERVICE_NAME": "asyncflow-api"}, False),
+        ({"OTEL_SDK_DISABLED": "false"}, True),
     ],
 )
 def test_configured_by_an_otel_variable_or_fastapi_s_own(environ: dict[str, str], configured: bool) -> None:

@@ -8,14 +8,18 @@ routes out of it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fastapi import Request, Response
 from starlette.routing import Match
+from starlette.types import Message, Receive, Scope, Send
 
 from oss_api.app import create_app
+from oss_api.direct import DirectPosts
 from oss_api.testing import TestClient
 from shared.config import Settings
 from shared.flows import load_flows
@@ -41,7 +45,8 @@ def test_the_calls_are_served_with_the_v1_routes_gone_from_the_router(client: Te
     scope = {"type": "http", "path": "/v1/ping", "method": "GET", "root_path": ""}
     router.routes = [r for r in router.routes if r.matches(scope)[0] is not Match.FULL]
     headers = bearer(ROOT)
-    assert client.get("/v1/ping").status_code == 404
+    # Every v1 route is gone, the three included: another method on their paths is a 404 now, not a 405.
+    assert [client.get(path).status_code for path in ("/v1/ping", *DIRECT)] == [404] * 4
     created = client.post("/v1/create_task", json={"task_data": {"task_type": "video"}}, headers=headers).json()
     assert created["code"] == 0, created
     held = client.post("/v1/hold_tasks", json={"task_type": "video"}, headers=headers).json()
@@ -85,3 +90,23 @@ def test_another_method_is_the_router_s_to_answer(client: TestClient, path: str)
 def test_the_calls_stay_in_the_openapi_document(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert all("post" in paths[path] for path in DIRECT)
+
+
+@pytest.mark.parametrize(("telemetry", "served_by"), [(None, "endpoint"), (object(), "router")])
+def test_with_fastapi_s_telemetry_on_the_router_serves_them(telemetry: object, served_by: str) -> None:
+    """FastAPI's OpenTelemetry spans learn a request's route from the router."""
+    served: list[str] = []
+
+    async def router(scope: Scope, receive: Receive, send: Send) -> None:
+        served.append("router")
+
+    async def endpoint(request: Request) -> Response:
+        served.append("endpoint")
+        return Response()
+
+    async def send(message: Message) -> None:
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/create_task", "headers": [], "fastapi.telemetry": telemetry}
+    asyncio.run(DirectPosts(router, {"/v1/create_task": endpoint})(scope, receive=None, send=send))  # type: ignore[arg-type]
+    assert served == [served_by]
