@@ -2,8 +2,8 @@
 
 The router tries each route's pattern in turn, through every included router, and
 FastAPI's route wrapper then solves the endpoint's dependencies inside two exit
-stacks: served past them, create_task and hold_tasks take two fifths less of the
-API's CPU a call (benchmarks/README.md, "The v1 calls in front of the router").
+stacks: served past them, create_task and hold_tasks take a third to two fifths
+less of the API's CPU a call (benchmarks/README.md, "The v1 calls in front of the router").
 
 An endpoint served here takes the request alone and answers every outcome itself
 but a missing or unknown key, whose 401 is the one the router's handler gives.

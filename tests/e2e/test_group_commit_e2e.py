@@ -77,7 +77,7 @@ def submit_together(stack: Stack, flow: str, parameters: list[dict[str, Any]]) -
 def submit_batch(stack: Stack, tasks: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """Tasks of several flows, published together (flow, parameters)."""
     body = {"tasks": [{"flow": flow, "parameters": p} for flow, p in tasks]}
-    response = stack.http.post(stack.url + "/api/batches", json=body, timeout=10)
+    response = stack.http.post(stack.url + "/api/batches", json=body)
     assert response.status_code in (200, 201), response.text
     return [t["task_id"] for t in response.json()["tasks"]]
 
