@@ -88,9 +88,13 @@ HANDED_ON = re.compile(r"(\d+) (?:step message\(s\)|step\(s\)) given back behind
 
 def handed_on_count(stack: Stack, since: int) -> int:
     """How many deliveries the worker's log says were handed on behind a long step, after offset ``since``."""
+    return sum(int(n) for n in HANDED_ON.findall(worker_lines(stack, since)))
+
+
+def worker_lines(stack: Stack, since: int) -> str:
+    """The worker's log after offset ``since``: what a failed check about its rounds is read against."""
     path = worker_log(stack)
-    text = path.read_bytes()[since:].decode(errors="replace") if path.exists() else ""
-    return sum(int(n) for n in HANDED_ON.findall(text))
+    return path.read_bytes()[since:].decode(errors="replace") if path.exists() else ""
 
 
 def log_size(stack: Stack) -> int:
@@ -339,6 +343,8 @@ def test_after_a_long_round_a_process_takes_one_message_at_a_time(held: Stack, t
             time.sleep(1.5)  # past RELEASE_AFTER: anything started behind this step would be given back
             gates[task_ids.index(running)].touch()
             held.wait_stopped(running, timeout=60)
+            if turn == 0:
+                after_first = log_size(held)
         docs = [held.wait_stopped(t, timeout=60) for t in task_ids]
     finally:
         for gate in gates:
@@ -349,7 +355,9 @@ def test_after_a_long_round_a_process_takes_one_message_at_a_time(held: Stack, t
     for doc in docs:
         outcomes = [a["outcome"] for a in doc["attempts"]]
         assert outcomes in (["succeeded"], ["released", "succeeded"]), outcomes  # handed on once at most
-    assert handed_on_count(held, since) == 2, "handed on again after the first long round"
+    # How many went back at first depends on how the deliveries arrived (read with the long
+    # step, or sent while it ran); after its round, none may go back again.
+    assert handed_on_count(held, after_first) == 0, worker_lines(held, since)
 
 
 def running_now(stack: Stack, task_id: str) -> bool:
