@@ -6,13 +6,16 @@
 import asyncio
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Query, Response
+import orjson
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from oss_api import docs, errors
 from oss_api.auth import (
@@ -25,11 +28,12 @@ from oss_api.auth import (
     list_user,
     load_keys,
     log_mode,
+    request_caller,
     submit_user,
     visible_task,
 )
 from oss_api.coalesce import Coalescer
-from oss_api.direct import DirectPosts, post_endpoints
+from oss_api.direct import DirectPosts, Endpoint, post_endpoints
 from oss_api.limits import BodyLimit, check_parameters_size
 from oss_api.metrics import StackMetrics
 from oss_api.schedules import schedule_routes
@@ -58,6 +62,7 @@ from shared.saga import Cancel, Resume, Retry
 from shared.service import ServiceError, Submission, TaskService, at_index
 from shared.states import TaskStatus
 from shared.storage import TaskFilter
+from shared.storage.codec import orjson_reads_as_json_does
 from shared.task import Task
 
 log = logging.getLogger(__name__)
@@ -110,11 +115,13 @@ def create_app(runtime: Runtime) -> FastAPI:
     errors.install(app)
     docs.install(app)
 
+    tasks, direct = _task_routes(runtime)
     v1 = v1_routes(runtime)
+    direct |= post_endpoints(v1, "create_task", "hold_tasks", "set_task")
     # Added last, BodyLimit wraps DirectPosts: it counts what the direct routes read too.
-    app.add_middleware(DirectPosts, endpoints=post_endpoints(v1, "create_task", "hold_tasks", "set_task"))
+    app.add_middleware(DirectPosts, endpoints=direct)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.include_router(_task_routes(runtime))
+    app.include_router(tasks)
     app.include_router(v1)
     app.include_router(schedule_routes(runtime))
     install_ui(app, runtime)  # the dashboard at /ui (oss_api/ui), left out of the OpenAPI schema
@@ -178,9 +185,12 @@ _CORRECTION_ERRORS = errors.answers(
 
 
 TaskId = Annotated[str, path_id(ANY_TASK_ID.pattern, "task")]
+# The Idempotency-Key header's form.
+IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_MAX = re.compile(r"^[A-Za-z0-9._:-]+$"), 64
 
 
-def _task_routes(runtime: Runtime) -> APIRouter:
+def _task_routes(runtime: Runtime) -> tuple[APIRouter, dict[str, Endpoint]]:
+    """The /api routes, and those of them served in front of the router (oss_api.direct)."""
     settings = runtime.settings
     router = APIRouter(prefix="/api", tags=["tasks"])
 
@@ -219,7 +229,9 @@ def _task_routes(runtime: Runtime) -> APIRouter:
     async def submit(
         body: SubmitRequest,
         who: RequestCallerDep,
-        idempotency_key: Annotated[str | None, Header(max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")] = None,
+        idempotency_key: Annotated[
+            str | None, Header(max_length=IDEMPOTENCY_KEY_MAX, pattern=IDEMPOTENCY_KEY.pattern)
+        ] = None,
     ) -> Response:
         user_id = submit_user(who, body.user_id)
         check_parameters_size(body.parameters, settings.max_parameters_bytes)
@@ -228,6 +240,25 @@ def _task_routes(runtime: Runtime) -> APIRouter:
         # Encoded here, once: returned as a model, the document would be validated
         # against TaskDocument again and then encoded (9 % of the API's CPU in a burst).
         return Response(TaskDocument.of(task).model_dump_json(), 201 if created else 200, media_type="application/json")
+
+    async def submit_direct(request: Request) -> Response | None:
+        """``submit`` in front of the router (oss_api.direct), for a submit FastAPI would take as it is:
+        a JSON body the model accepts, an idempotency key of the header's form. Anything else is
+        the router's, for FastAPI's own refusal (None)."""
+        headers = request.headers
+        key = headers.get("idempotency-key")
+        if headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json" or (
+            key is not None and (len(key) > IDEMPOTENCY_KEY_MAX or not IDEMPOTENCY_KEY.fullmatch(key))
+        ):
+            return None
+        text = await request.body()
+        if not orjson_reads_as_json_does(text):
+            return None
+        try:
+            body = SubmitRequest.model_validate(orjson.loads(text))
+        except (orjson.JSONDecodeError, ValidationError):
+            return None
+        return await submit(body, request_caller(request), key)
 
     @router.post(
         "/batches",
@@ -326,4 +357,4 @@ def _task_routes(runtime: Runtime) -> APIRouter:
             ]
         }
 
-    return router
+    return router, {router.prefix + "/tasks": submit_direct}

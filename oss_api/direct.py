@@ -5,8 +5,12 @@ FastAPI's route wrapper then solves the endpoint's dependencies inside two exit
 stacks: served past them, create_task and hold_tasks take a third to two fifths
 less of the API's CPU a call (benchmarks/README.md, "The v1 calls in front of the router").
 
-An endpoint served here takes the request alone and answers every outcome itself
-but a missing or unknown key, whose 401 is the one the router's handler gives.
+An endpoint served here takes the request alone. It answers every outcome itself
+but what the service raises of its store and saga (a missing or unknown key's
+401, a conflict's 409, say), answered as the router's handlers answer it; or it
+answers None, and the request, its body as read, goes on to the router, whose
+answer it is: so a submit whose body or headers FastAPI would refuse gets
+FastAPI's own refusal, and only a well-formed one is served here.
 Its route stays registered: the OpenAPI document describes it, and any other
 method on its path is the router's to answer. So is every request while FastAPI's
 OpenTelemetry instrumentation is on, which learns the route's name from the router.
@@ -18,12 +22,12 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from fastapi import APIRouter, Request, Response
 from fastapi.routing import APIRoute
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from oss_api import errors
-from shared.errors import ServiceError
 
-Endpoint = Callable[[Request], Awaitable[Response]]
+# None: the router's to answer (see above).
+Endpoint = Callable[[Request], Awaitable[Response | None]]
 
 
 class DirectPosts:
@@ -40,12 +44,34 @@ class DirectPosts:
         if endpoint is None:
             await self.app(scope, receive, send)
             return
-        request = Request(scope, receive, send)
+        read: list[Message] = []
+
+        async def reading() -> Message:
+            message = await receive()
+            read.append(message)
+            return message
+
+        request = Request(scope, reading, send)
         try:
             response = await endpoint(request)
-        except ServiceError as exc:
-            response = errors.service_error(exc)
+        except Exception as exc:
+            response = errors.stored_state_error(exc)
+            if response is None:
+                raise
+        if response is None:
+            await self.app(scope, _replay(read, receive), send)
+            return
         await response(scope, receive, send)
+
+
+def _replay(read: list[Message], receive: Receive) -> Receive:
+    """``receive`` with the messages already ``read`` given again first, in order."""
+    pending = read[::-1]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
 
 
 def post_endpoints(router: APIRouter, *names: str) -> dict[str, Endpoint]:

@@ -114,10 +114,26 @@ def service_error(exc: ServiceError) -> JSONResponse:
     return _body(exc.status_code, str(exc), getattr(exc, "detail", None), headers=getattr(exc, "headers", None))
 
 
-def install(app: FastAPI) -> None:
-    @app.exception_handler(ServiceError)
-    async def service_error_handler(_: Request, exc: ServiceError) -> JSONResponse:
+def stored_state_error(exc: Exception) -> JSONResponse | None:
+    """The answer to what the service raises of its store and saga, or None for an exception of another kind."""
+    if isinstance(exc, ServiceError):
         return service_error(exc)
+    if isinstance(exc, InvalidAction | TaskConflict):
+        return _body(409, str(exc))
+    if isinstance(exc, StorageUnavailable):
+        log.error("storage unavailable: %s", exc)
+        return _body(503, "the task database is unavailable; try again shortly")
+    return None
+
+
+def install(app: FastAPI) -> None:
+    async def stored_state_handler(_: Request, exc: Exception) -> JSONResponse:
+        answer = stored_state_error(exc)
+        assert answer is not None  # installed for those kinds alone
+        return answer
+
+    for kind in (ServiceError, InvalidAction, TaskConflict, StorageUnavailable):
+        app.add_exception_handler(kind, stored_state_handler)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -132,19 +148,6 @@ def install(app: FastAPI) -> None:
         else:
             message = str(exc.detail)
         return _body(exc.status_code, message, headers=exc.headers)
-
-    @app.exception_handler(InvalidAction)
-    async def invalid_action(_: Request, exc: InvalidAction) -> JSONResponse:
-        return _body(409, str(exc))
-
-    @app.exception_handler(TaskConflict)
-    async def conflict(_: Request, exc: TaskConflict) -> JSONResponse:
-        return _body(409, str(exc))
-
-    @app.exception_handler(StorageUnavailable)
-    async def unavailable(_: Request, exc: StorageUnavailable) -> JSONResponse:
-        log.error("storage unavailable: %s", exc)
-        return _body(503, "the task database is unavailable; try again shortly")
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -35,6 +35,20 @@ def json_text(value: Any) -> bytes:
         return json.dumps(value).encode()
 
 
+def orjson_reads_as_json_does(text: bytes) -> bool:
+    """Whether orjson reads the JSON ``text`` as json would, where it reads it at all.
+
+    orjson reads an integer past 64 bits as a float, where json reads it whole: a
+    run of 19 digits or more may be one. What else they differ on orjson refuses
+    (NaN and infinities, a byte-order mark, lone surrogates).
+    """
+    return _LONG_RUN not in text.translate(_DIGITS_AS_ZERO)
+
+
+# Every digit as 0: a run of 19 digits is then a run of 19 zeros, found in a tenth of a regular expression's time.
+_DIGITS_AS_ZERO, _LONG_RUN = bytes.maketrans(b"123456789", b"000000000"), b"0" * 19
+
+
 def command_from_json(data: dict[str, Any]) -> Command:
     max_retry_interval = float(data.get("max_retry_interval", -1))
     if max_retry_interval < 0 and "retry_interval" in data:

@@ -1,8 +1,10 @@
-"""create_task, hold_tasks and set_task served in front of the router (oss_api.direct).
+"""create_task, hold_tasks, set_task and the flow submit served in front of the router (oss_api.direct).
 
 They must answer exactly as through the router: a 401 for an unknown key, a 413
 for a body over the limit, and the router's own answer to any other method on
-their paths. That they are served without the router is shown by taking their
+their paths. A submit is served there only when FastAPI would take it as it is:
+any other goes on to the router, and gets the answer an app without the direct
+routes gives. That they are served without the router is shown by taking their
 routes out of it.
 """
 
@@ -11,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import Request, Response
@@ -33,10 +37,26 @@ MAX_BODY = 4096
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(home=tmp_path, api_keys=KEYS, max_body_bytes=MAX_BODY)
-    app = InProcess(load_flows(SUPPORT / "flows.yaml"), tmp_path, settings=settings)
-    app.runtime.pull_service.register_type({"task_type": "video"})
-    with TestClient(create_app(app.runtime)) as http:
+    with stack_client(tmp_path, direct=True) as http:
+        yield http
+
+
+@pytest.fixture
+def routed(tmp_path: Path) -> Iterator[TestClient]:
+    """An app of the same settings without the direct routes: the router serves every call."""
+    with stack_client(tmp_path / "routed", direct=False) as http:
+        yield http
+
+
+@contextmanager
+def stack_client(home: Path, direct: bool) -> Iterator[TestClient]:
+    settings = Settings(home=home, api_keys=KEYS, max_body_bytes=MAX_BODY, max_parameters_bytes=MAX_BODY // 2)
+    stack = InProcess(load_flows(SUPPORT / "flows.yaml"), home, settings=settings)
+    stack.runtime.pull_service.register_type({"task_type": "video"})
+    app = create_app(stack.runtime)
+    if not direct:
+        app.user_middleware = [m for m in app.user_middleware if m.cls is not DirectPosts]
+    with TestClient(app) as http:
         yield http
 
 
@@ -110,3 +130,83 @@ def test_with_fastapi_s_telemetry_on_the_router_serves_them(telemetry: object, s
     scope = {"type": "http", "method": "POST", "path": "/v1/create_task", "headers": [], "fastapi.telemetry": telemetry}
     asyncio.run(DirectPosts(router, {"/v1/create_task": endpoint})(scope, receive=None, send=send))  # type: ignore[arg-type]
     assert served == [served_by]
+
+
+JSON = {"Content-Type": "application/json"}
+SUBMIT = b'{"flow": "noop", "parameters": {"n": 1}}'
+LONG_KEY = "k" * 65
+
+
+def test_a_well_formed_submit_is_served_with_its_route_gone_from_the_router(client: TestClient) -> None:
+    router = client.app.router  # type: ignore[attr-defined]
+    scope = {"type": "http", "path": "/api/tasks", "method": "POST", "root_path": ""}
+    router.routes = [r for r in router.routes if r.matches(scope)[0] is not Match.FULL]
+    headers = {**bearer(ROOT), **JSON}
+    created = client.post("/api/tasks", content=SUBMIT, headers=headers)
+    assert created.status_code == 201, created.text
+    assert (created.json()["flow"], created.json()["parameters"]) == ("noop", {"n": 1})
+    # What the direct route leaves to the router finds no route there now.
+    assert client.post("/api/tasks", content=b'{"flow": "noop", "colour": 1}', headers=headers).status_code == 404
+
+
+# Each left to the router: refused by FastAPI's checks of the route (body, content type,
+# header), or taken by them where the direct route would not read it as they do.
+LEFT: list[tuple[str, bytes, dict[str, str]]] = [
+    ("not JSON", b'{"flow": ', JSON),
+    ("empty", b"", JSON),
+    ("a list", b"[]", JSON),
+    ("an unknown field", b'{"flow": "noop", "colour": 1}', JSON),
+    ("a priority not a number", b'{"flow": "noop", "priority": "high"}', JSON),
+    ("NaN", b'{"flow": "noop", "parameters": {"x": NaN}}', JSON),
+    ("a byte-order mark", b"\xef\xbb\xbf" + SUBMIT, JSON),  # taken
+    ("a lone surrogate", b'{"flow": "noop", "parameters": {"x": "\\ud800"}}', JSON),
+    ("no content type", SUBMIT, {}),
+    ("text", SUBMIT, {"Content-Type": "text/plain"}),
+    ("json+ld", SUBMIT, {"Content-Type": "application/ld+json"}),  # taken
+    ("a key with a space", SUBMIT, {**JSON, "Idempotency-Key": "a b"}),
+    ("a key too long", SUBMIT, {**JSON, "Idempotency-Key": LONG_KEY}),
+    ("an empty key", SUBMIT, {**JSON, "Idempotency-Key": ""}),
+]
+
+# Well-formed, each refused or answered by the service: served in front of the router.
+ANSWERED: list[tuple[str, bytes, dict[str, str]]] = [
+    ("a submit", SUBMIT, JSON),
+    ("an unknown flow", b'{"flow": "nope"}', JSON),
+    ("a charset", SUBMIT, {"Content-Type": "Application/JSON; charset=utf-8"}),
+    ("an idempotency key", SUBMIT, {**JSON, "Idempotency-Key": "order-1"}),
+    ("its task_id taken by another flow", b'{"flow": "three", "task_id": "order-1"}', JSON),
+    ("parameters over their limit", b'{"flow": "noop", "parameters": {"x": "' + b"a" * MAX_BODY + b'"}}', JSON),
+    ("an integer past 64 bits", b'{"flow": "noop", "parameters": {"n": 123456789012345678901234567890}}', JSON),
+]
+
+
+@pytest.mark.parametrize("user", [ROOT, "not-a-key"])
+def test_every_submit_is_answered_as_the_router_answers_it(
+    client: TestClient, routed: TestClient, user: str
+) -> None:
+    """In one order on both apps (the conflict needs the submit before it)."""
+    for case, body, headers in LEFT + ANSWERED:
+        direct, router = (
+            http.post("/api/tasks", content=body, headers={**bearer(user), **headers}) for http in (client, routed)
+        )
+        assert direct.status_code == router.status_code, (case, direct.text, router.text)
+        assert comparable(direct.json()) == comparable(router.json()), case
+        assert direct.headers.get("WWW-Authenticate") == router.headers.get("WWW-Authenticate"), case
+    stored = [comparable(t) for t in client.get("/api/tasks", headers=bearer(ROOT)).json()["tasks"]]
+    assert stored == [comparable(t) for t in routed.get("/api/tasks", headers=bearer(ROOT)).json()["tasks"]]
+    assert len(stored) == (6 if user == ROOT else 0)
+
+
+def test_an_integer_past_64_bits_is_stored_whole(client: TestClient) -> None:
+    body = b'{"flow": "noop", "parameters": {"n": 123456789012345678901234567890}}'
+    created = client.post("/api/tasks", content=body, headers={**bearer(ROOT), **JSON}).json()
+    assert created["parameters"] == {"n": 123456789012345678901234567890}
+
+
+def comparable(document: Any) -> Any:
+    """A task document without what differs between two stores (the generated id, the clock's readings)."""
+    if not isinstance(document, dict) or "task_id" not in document:
+        return document
+    return {
+        k: v for k, v in document.items() if not k.startswith("time") and not k.endswith("_at") and k != "task_id"
+    } | {"task_id": document["task_id"] if document["task_id"] == "order-1" else "generated"}
