@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Respons
 from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from oss_api import docs, errors
 from oss_api.auth import (
@@ -185,7 +186,7 @@ _CORRECTION_ERRORS = errors.answers(
 
 
 TaskId = Annotated[str, path_id(ANY_TASK_ID.pattern, "task")]
-# The Idempotency-Key header's form.
+# The Idempotency-Key header's form: the route's check, and what lets the direct submit take one.
 IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_MAX = re.compile(r"^[A-Za-z0-9._:-]+$"), 64
 
 
@@ -244,14 +245,17 @@ def _task_routes(runtime: Runtime) -> tuple[APIRouter, dict[str, Endpoint]]:
     async def submit_direct(request: Request) -> Response | None:
         """``submit`` in front of the router (oss_api.direct), for a submit FastAPI would take as it is:
         a JSON body the model accepts, an idempotency key of the header's form. Anything else is
-        the router's, for FastAPI's own refusal (None)."""
+        the router's, for FastAPI's own answer (None)."""
         headers = request.headers
         key = headers.get("idempotency-key")
         if headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json" or (
             key is not None and (len(key) > IDEMPOTENCY_KEY_MAX or not IDEMPOTENCY_KEY.fullmatch(key))
         ):
             return None
-        text = await request.body()
+        try:
+            text = await request.body()
+        except ClientDisconnect:  # replayed, the router answers it as it would have
+            return None
         if not orjson_reads_as_json_does(text):
             return None
         try:

@@ -6,8 +6,8 @@ stacks: served past them, create_task and hold_tasks take a third to two fifths
 less of the API's CPU a call (benchmarks/README.md, "The v1 calls in front of the router").
 
 An endpoint served here takes the request alone. It answers every outcome itself
-but what the service raises of its store and saga (a missing or unknown key's
-401, a conflict's 409, say), answered as the router's handlers answer it; or it
+but the exceptions the app answers alike wherever they are raised (a missing or
+unknown key's 401, a conflict's 409, say: ``errors.answer_for``); or it
 answers None, and the request, its body as read, goes on to the router, whose
 answer it is: so a submit whose body or headers FastAPI would refuse gets
 FastAPI's own refusal, and only a well-formed one is served here.
@@ -55,7 +55,7 @@ class DirectPosts:
         try:
             response = await endpoint(request)
         except Exception as exc:
-            response = errors.stored_state_error(exc)
+            response = errors.answer_for(exc)
             if response is None:
                 raise
         if response is None:

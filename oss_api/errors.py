@@ -114,8 +114,10 @@ def service_error(exc: ServiceError) -> JSONResponse:
     return _body(exc.status_code, str(exc), getattr(exc, "detail", None), headers=getattr(exc, "headers", None))
 
 
-def stored_state_error(exc: Exception) -> JSONResponse | None:
-    """The answer to what the service raises of its store and saga, or None for an exception of another kind."""
+def answer_for(exc: Exception) -> JSONResponse | None:
+    """The answer to ``exc`` wherever it is raised, the router's handlers' and the direct routes' alike:
+    a service's refusal (its status), a conflict with the stored state, the store unavailable;
+    None for an exception of another kind."""
     if isinstance(exc, ServiceError):
         return service_error(exc)
     if isinstance(exc, InvalidAction | TaskConflict):
@@ -127,13 +129,13 @@ def stored_state_error(exc: Exception) -> JSONResponse | None:
 
 
 def install(app: FastAPI) -> None:
-    async def stored_state_handler(_: Request, exc: Exception) -> JSONResponse:
-        answer = stored_state_error(exc)
+    async def answered(_: Request, exc: Exception) -> JSONResponse:
+        answer = answer_for(exc)
         assert answer is not None  # installed for those kinds alone
         return answer
 
     for kind in (ServiceError, InvalidAction, TaskConflict, StorageUnavailable):
-        app.add_exception_handler(kind, stored_state_handler)
+        app.add_exception_handler(kind, answered)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -40,7 +40,8 @@ def orjson_reads_as_json_does(text: bytes) -> bool:
 
     orjson reads an integer past 64 bits as a float, where json reads it whole: a
     run of 19 digits or more may be one. What else they differ on orjson refuses
-    (NaN and infinities, a byte-order mark, lone surrogates).
+    (NaN, infinities and numbers past a float's range, a byte-order mark, UTF-16
+    and UTF-32, surrogates).
     """
     return _LONG_RUN not in text.translate(_DIGITS_AS_ZERO)
 
