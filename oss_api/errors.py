@@ -109,17 +109,12 @@ def _body(
     return JSONResponse(status_code=status, content=content, headers=headers)
 
 
-def service_error(exc: ServiceError) -> JSONResponse:
-    """The answer to ``exc``, wherever it is raised: its status, its message, its fields and headers."""
-    return _body(exc.status_code, str(exc), getattr(exc, "detail", None), headers=getattr(exc, "headers", None))
-
-
 def answer_for(exc: Exception) -> JSONResponse | None:
     """The answer to ``exc`` wherever it is raised, the router's handlers' and the direct routes' alike:
     a service's refusal (its status), a conflict with the stored state, the store unavailable;
     None for an exception of another kind."""
-    if isinstance(exc, ServiceError):
-        return service_error(exc)
+    if isinstance(exc, ServiceError):  # its status, its message, its fields and headers
+        return _body(exc.status_code, str(exc), getattr(exc, "detail", None), headers=getattr(exc, "headers", None))
     if isinstance(exc, InvalidAction | TaskConflict):
         return _body(409, str(exc))
     if isinstance(exc, StorageUnavailable):

@@ -35,6 +35,13 @@ DIRECT = ("/v1/create_task", "/v1/hold_tasks", "/v1/set_task")
 MAX_BODY = 4096
 
 
+def take_out_of_the_router(client: TestClient, path: str, method: str) -> None:
+    """Every route the app's router serves ``method`` ``path`` by (an included router's: all of its routes)."""
+    router = client.app.router  # type: ignore[attr-defined]
+    scope = {"type": "http", "path": path, "method": method, "root_path": ""}
+    router.routes = [r for r in router.routes if r.matches(scope)[0] is not Match.FULL]
+
+
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
     with stack_client(tmp_path, direct=True) as http:
@@ -61,9 +68,7 @@ def stack_client(home: Path, direct: bool) -> Iterator[TestClient]:
 
 
 def test_the_calls_are_served_with_the_v1_routes_gone_from_the_router(client: TestClient) -> None:
-    router = client.app.router  # type: ignore[attr-defined]
-    scope = {"type": "http", "path": "/v1/ping", "method": "GET", "root_path": ""}
-    router.routes = [r for r in router.routes if r.matches(scope)[0] is not Match.FULL]
+    take_out_of_the_router(client, "/v1/ping", "GET")
     headers = bearer(ROOT)
     # Every v1 route is gone, the three included: another method on their paths is a 404 now, not a 405.
     assert [client.get(path).status_code for path in ("/v1/ping", *DIRECT)] == [404] * 4
@@ -138,9 +143,7 @@ LONG_KEY = "k" * 65
 
 
 def test_a_well_formed_submit_is_served_with_its_route_gone_from_the_router(client: TestClient) -> None:
-    router = client.app.router  # type: ignore[attr-defined]
-    scope = {"type": "http", "path": "/api/tasks", "method": "POST", "root_path": ""}
-    router.routes = [r for r in router.routes if r.matches(scope)[0] is not Match.FULL]
+    take_out_of_the_router(client, "/api/tasks", "POST")
     headers = {**bearer(ROOT), **JSON}
     created = client.post("/api/tasks", content=SUBMIT, headers=headers)
     assert created.status_code == 201, created.text
@@ -202,9 +205,7 @@ def test_a_submit_is_served_in_front_of_the_router_only_when_fastapi_would_take_
     client: TestClient,
 ) -> None:
     """With the route gone from the router, what is left to it finds no route there."""
-    router = client.app.router  # type: ignore[attr-defined]
-    scope = {"type": "http", "path": "/api/tasks", "method": "POST", "root_path": ""}
-    router.routes = [r for r in router.routes if r.matches(scope)[0] is not Match.FULL]
+    take_out_of_the_router(client, "/api/tasks", "POST")
     for case, body, headers in LEFT + ANSWERED:
         answer = client.post("/api/tasks", content=body, headers={**bearer(ROOT), **headers})
         no_route = answer.json() == {"error": "no such endpoint: POST /api/tasks"}
