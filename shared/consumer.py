@@ -176,10 +176,17 @@ class Pulses:
     thread then drops it with the others due, instead of being woken for it. So
     short attempts wake the thread only when the heap runs empty, not one switch
     of threads each.
+
+    Left alone, the heap would hold every attempt of the last heartbeat interval,
+    each with its message: memory growing with the step rate (benchmarks/README.md,
+    "A worker's memory is its stopped pulses"). So when it has doubled since it was
+    last swept, the stopped pulses are swept off it: at most twice the live ones
+    (or SWEEP_FROM) are held, for one pass over the heap per as many additions.
     """
 
     def __init__(self) -> None:
         self._due: list[tuple[float, int, Beating]] = []
+        self._sweep_at = SWEEP_FROM  # the heap's length that has the stopped pulses swept off it
         self._order = itertools.count()  # ties in time go first come, first served
         self._pid: int | None = None  # the process the thread runs in
         self._cond = threading.Condition()
@@ -189,12 +196,21 @@ class Pulses:
 
     def _forget(self) -> None:
         self._due, self._pid, self._cond = [], None, threading.Condition()
+        self._sweep_at = SWEEP_FROM
+
+    def __len__(self) -> int:
+        """Pulses on the heap, the stopped ones not yet dropped included."""
+        return len(self._due)
 
     def add(self, pulse: Beating, at: float) -> None:
         with self._cond:
             if self._pid != os.getpid():
                 self._pid = os.getpid()
                 threading.Thread(target=self._run, name="pulses", daemon=True).start()
+            if len(self._due) >= self._sweep_at:
+                self._due = [entry for entry in self._due if not entry[2].stopped]
+                heapq.heapify(self._due)
+                self._sweep_at = max(SWEEP_FROM, 2 * len(self._due))
             heapq.heappush(self._due, (at, next(self._order), pulse))
             if self._due[0][2] is pulse:  # sooner than the thread means to wake
                 self._cond.notify()
@@ -226,6 +242,9 @@ class Pulses:
 
 
 PULSE_SLACK = 0.05
+# The heap's length below which stopped pulses wait to come due: a sweep is not
+# worth its pass over fewer (a few hundred kB of messages at most).
+SWEEP_FROM = 256
 PULSES = Pulses()
 
 

@@ -118,3 +118,22 @@ def test_short_attempts_do_not_wake_the_pulse_thread() -> None:
         time.sleep(0.002)  # the next delivery comes later: the thread has had its chance to run
     assert wakes == 1  # the first pulse, onto an empty heap
     assert not service.events
+
+
+def test_stopped_pulses_are_swept_off_the_heap_before_they_come_due() -> None:
+    """The heap holds a bounded multiple of the live pulses, not every attempt of the last
+    heartbeat interval: its memory does not grow with the step rate."""
+    pulses = Pulses()
+    service = Recording()
+    live = [Pulse(service, message(f"live-{i}"), None, 0.2) for i in range(300)]  # type: ignore[arg-type]
+    for i in range(20_000):
+        p = Pulse(service, message(f"short-{i}"), None, 30.0)  # type: ignore[arg-type]
+        pulses.add(p, time.monotonic() + 30.0)
+        p.stop()
+        if i % 50 == 0 and i // 50 < len(live):
+            pulses.add(live[i // 50], time.monotonic() + 0.2)
+        assert len(pulses) <= 2 * len(live) + 1  # twice the live ones at most, not the 20,000 stopped
+    wait_for(lambda: all(service.of(p.message.task_id) for p in live), 5, "every live pulse beats")
+    for p in live:
+        p.stop()
+    assert not [t for t, _ in service.events if t.startswith("short-")]
