@@ -180,8 +180,9 @@ class Pulses:
     Left alone, the heap would hold every attempt of the last heartbeat interval,
     each with its message: memory growing with the step rate (benchmarks/README.md,
     "A worker's memory is its stopped pulses"). So when it has doubled since it was
-    last swept, the stopped pulses are swept off it: at most twice the live ones
-    (or SWEEP_FROM) are held, for one pass over the heap per as many additions.
+    last swept, the stopped pulses are swept off it: it holds at most twice the
+    live ones of the last sweep (or SWEEP_FROM), for one pass over the heap per as
+    many additions.
     """
 
     def __init__(self) -> None:

@@ -133,7 +133,6 @@ def test_stopped_pulses_are_swept_off_the_heap_before_they_come_due() -> None:
         if i % 50 == 0 and i // 50 < len(live):
             pulses.add(live[i // 50], time.monotonic() + 0.2)
         assert len(pulses) <= 2 * len(live) + 1  # twice the live ones at most, not the 20,000 stopped
-    wait_for(lambda: all(service.of(p.message.task_id) for p in live), 5, "every live pulse beats")
+    wait_for(lambda: all(len(service.of(p.message.task_id)) >= 2 for p in live), 5, "every live pulse beats on")
     for p in live:
         p.stop()
-    assert not [t for t, _ in service.events if t.startswith("short-")]
