@@ -244,7 +244,7 @@ class Pulses:
 
 PULSE_SLACK = 0.05
 # The heap's length below which stopped pulses wait to come due: a sweep is not
-# worth its pass over fewer (a few hundred kB of messages at most).
+# worth its pass over fewer (about a megabyte of messages at most, at 3-4 kB a pulse).
 SWEEP_FROM = 256
 PULSES = Pulses()
 
