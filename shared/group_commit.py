@@ -299,11 +299,27 @@ class GroupCommit:
             self._waiting[:0] = again
             self._stored.extend(failed)
 
+    def beside(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on this thread between deliveries (an alarm's command, say): should it run
+        long, what waits here is handed on, as behind a handler."""
+        flush = self._flush_behind()
+        try:
+            work()
+        finally:
+            if flush is not None:
+                flush.stop()
+
+    def _flush_behind(self) -> Once | None:
+        """What the pulse thread does should what runs on this thread from now on run long (None: nothing waits)."""
+        if not (self._waiting or self._stored):
+            return None
+        flush = Once(self._behind(self._began), FLUSH_AFTER)
+        PULSES.add(flush, time.monotonic() + FLUSH_AFTER)
+        return flush
+
     def _resume(self, flight: Flight, answer: Decision | Exception | None) -> None:
         """Run ``flight`` on with ``answer`` up to its next transition, or to its end."""
-        flush = Once(self._behind(self._began), FLUSH_AFTER) if self._waiting or self._stored else None
-        if flush is not None:  # this delivery's next handler may run long: what waits must not
-            PULSES.add(flush, time.monotonic() + FLUSH_AFTER)
+        flush = self._flush_behind()  # this delivery's next handler may run long: what waits must not
         try:
             store = flight.context.run(_send, flight.steps, answer)
         except StopIteration:

@@ -376,7 +376,10 @@ class GroupedStepMessages(StepMessages):
 
     def _alarm(self, alarm: Alarm, message: Any) -> None:
         """Read from the broker (under ``_io``): delivered in the next round, on this thread."""
-        self._taken.append((message, functools.partial(super()._alarm, alarm, message)))
+        # Its command runs on this thread, beside the deliveries held: what waits for a commit is
+        # handed on should it run long (a monitor that does not answer, tried again with pauses).
+        deliver = functools.partial(super()._alarm, alarm, message)
+        self._taken.append((message, functools.partial(self.group.beside, deliver)))
 
     def _ack(self, message: Any) -> None:
         with self._io:

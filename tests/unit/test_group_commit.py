@@ -562,6 +562,31 @@ def test_a_delivery_whose_start_waits_for_its_commit_is_given_back_behind_a_long
     assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2
 
 
+def test_held_deliveries_are_given_back_behind_a_long_alarm_command() -> None:
+    """An alarm's command runs on the rounds' thread between deliveries (a monitor that does not
+    answer, say): the deliveries whose starts are stored go out for another consumer, as behind
+    a long handler, and end here without running."""
+    h = harness({"alpha": Module("alpha"), "beta": testmod.beta})
+    ran: list[str] = []
+    first, second = submit_all(h, [("noop", {}), ("noop", {})])
+    h.consumer.modules["alpha"].command("step")(lambda ctx: ran.append(ctx.task_id))
+    ended: list[str] = []
+    group = GroupCommit(h.consumer, lambda flight, exc: ended.append(flight.message.task_id))
+    take(h, group, 2)
+    group.work()  # both starts, committed: their handlers run next round
+    seen: list[bool] = []
+    group.beside(lambda: seen.append(published_for(h, first, 0) and published_for(h, second, 0)))
+    while len(group):
+        group.work()
+
+    assert seen == [True], "not handed on while the alarm's command ran"
+    assert ran == [] and sorted(ended) == sorted([first, second])
+    take(h, group, 2)  # another consumer's, say
+    while len(group):
+        group.work()
+    assert [h.service.get(t).status for t in (first, second)] == [TaskStatus.SUCCESS] * 2
+
+
 @pytest.mark.parametrize("failure", ["raised", "unavailable"])
 def test_a_held_delivery_that_could_not_be_given_back_runs_here_after_the_long_handler(failure: str) -> None:
     """The commit that would give it back fails (a defect, or the database down): nothing is lost,
