@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from oss_api.auth import KEY_SECURITY, Caller, Forbidden, request_caller
 from oss_api.coalesce import Coalescer
@@ -275,6 +276,10 @@ def task_json(task: PullTask) -> dict[str, Any]:
 async def _parse(request: Request, model: type[_Body]) -> Any:
     try:
         data = json.loads(await request.body())
+    except ClientDisconnect:
+        # The caller hung up before its body ended: nothing is done, and the answer goes
+        # nowhere. Raised on, it was the server's error log's, with a traceback, every time.
+        raise V1Error("INPUT_INVALID", "the body ended early: the client disconnected") from None
     except ValueError as exc:
         raise V1Error("INPUT_INVALID", f"body is not JSON: {exc}") from None
     except RecursionError:

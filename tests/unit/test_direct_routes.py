@@ -11,6 +11,7 @@ routes out of it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -250,8 +251,22 @@ def test_a_client_gone_before_its_body_ended_is_answered_as_the_router_answers_i
     assert answers[0][0] == 400, answers
 
 
-async def gone_mid_body(app: Any) -> tuple[int, bytes]:
-    came: list[Message] = [{"type": "http.request", "body": b'{"flow": "no', "more_body": True}, {"type": "http.disconnect"}]
+@pytest.mark.parametrize("path", [*DIRECT, "/v1/register_task_type"])
+def test_a_v1_caller_gone_before_its_body_ended_is_refused_and_nothing_is_done(
+    client: TestClient, routed: TestClient, path: str
+) -> None:
+    """Not raised to the server (which logged each as an error with its traceback)."""
+    before = [http.get("/v1/get_task_list", params={"limit": 100}, headers=bearer(ROOT)).json() for http in (client, routed)]
+    answers = [asyncio.run(gone_mid_body(http.app, path, b'{"task_data": {"task_')) for http in (client, routed)]
+    assert answers[0] == answers[1]
+    status, body = answers[0]
+    assert (status, json.loads(body)) == (200, {"code": 1, "msg": "INPUT_INVALID::the body ended early: the client disconnected"})
+    after = [http.get("/v1/get_task_list", params={"limit": 100}, headers=bearer(ROOT)).json() for http in (client, routed)]
+    assert after == before
+
+
+async def gone_mid_body(app: Any, path: str = "/api/tasks", part: bytes = b'{"flow": "no') -> tuple[int, bytes]:
+    came: list[Message] = [{"type": "http.request", "body": part, "more_body": True}, {"type": "http.disconnect"}]
     sent: list[Message] = []
 
     async def receive() -> Message:
@@ -263,7 +278,7 @@ async def gone_mid_body(app: Any) -> tuple[int, bytes]:
     headers = [(b"content-type", b"application/json"), (b"authorization", f"Bearer {ROOT}".encode())]
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": "/api/tasks", "raw_path": b"/api/tasks", "query_string": b"", "root_path": "", "headers": headers,
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
         "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000),
     }
     await app(scope, receive, send)
