@@ -23,6 +23,7 @@ from typing import Annotated
 from urllib.parse import parse_qs, urlsplit
 
 from fastapi import Depends, Request, Response
+from starlette.requests import ClientDisconnect
 
 from oss_api.auth import Caller, KeyTable, identify, request_caller
 
@@ -53,6 +54,13 @@ class CrossSite(Refused):
 
 class ReadOnly(Refused):
     pass
+
+
+class CutShort(Refused):
+    """The browser hung up before the form's body ended: answered, though nobody reads it,
+    rather than raised to the server's error log."""
+
+    status_code = 400
 
 
 @dataclass(frozen=True)
@@ -107,7 +115,10 @@ ViewerDep = Annotated[Viewer, Depends(viewer)]
 async def form(request: Request) -> dict[str, list[str]]:
     """The posted form (application/x-www-form-urlencoded), after the cross-site checks."""
     same_site(request)
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        raise CutShort("the form ended early: the browser disconnected") from None
     if len(body) > MAX_FORM_BYTES:
         raise CrossSite("form too large")
     fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True, max_num_fields=1000)

@@ -29,6 +29,7 @@ from oss_api.testing import TestClient
 from shared.config import Settings
 from shared.flows import load_flows
 from shared.testing import InProcess
+from tests.support.asgi import post_cut_short
 from tests.unit.test_auth import KEYS, ROOT, bearer
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
@@ -266,23 +267,8 @@ def test_a_v1_caller_gone_before_its_body_ended_is_refused_and_nothing_is_done(
 
 
 async def gone_mid_body(app: Any, path: str = "/api/tasks", part: bytes = b'{"flow": "no') -> tuple[int, bytes]:
-    came: list[Message] = [{"type": "http.request", "body": part, "more_body": True}, {"type": "http.disconnect"}]
-    sent: list[Message] = []
-
-    async def receive() -> Message:
-        return came.pop(0) if came else {"type": "http.disconnect"}
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-
     headers = [(b"content-type", b"application/json"), (b"authorization", f"Bearer {ROOT}".encode())]
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
-        "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000),
-    }
-    await app(scope, receive, send)
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+    return await post_cut_short(app, path, headers, part)
 
 
 def test_an_integer_past_64_bits_is_stored_whole(client: TestClient) -> None:

@@ -6,6 +6,7 @@ Chromium against real processes; these check the rules quickly and on every run.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import re
 import time
@@ -27,6 +28,7 @@ from shared.states import StepType
 from shared.storage import AttemptRecord
 from shared.storage.base import ProcessRecord
 from shared.testing import InProcess
+from tests.support.asgi import post_cut_short
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 ADMIN_KEY = "admin-key-0001"
@@ -166,6 +168,12 @@ def test_actions_from_another_site_or_without_the_token_are_refused(ui: Ui) -> N
     no_token = ui.client.post(path, data={"csrf": "0" * 32}, headers=SAME_ORIGIN)
     assert no_token.status_code == 403
     assert ui.app.runtime.service.get(task_id).status.label == "pending"
+
+
+def test_a_form_the_browser_cut_short_is_answered_not_raised(ui: Ui) -> None:
+    headers = [(b"content-type", b"application/x-www-form-urlencoded"), (b"sec-fetch-site", b"same-origin")]
+    status, page = asyncio.run(post_cut_short(ui.client.app, "/ui/login", headers, b"csrf=0123&key=ad"))
+    assert status == 400 and b"the form ended early: the browser disconnected" in page
 
 
 def test_bulk_cancel_reports_each_refusal(ui: Ui) -> None:
