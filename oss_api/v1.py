@@ -278,7 +278,7 @@ async def _parse(request: Request, model: type[_Body]) -> Any:
         data = json.loads(await request.body())
     except ClientDisconnect:
         # The caller hung up before its body ended: nothing is done, and the answer goes
-        # nowhere. Raised on, it was the server's error log's, with a traceback, every time.
+        # nowhere. Left to propagate, each such hang-up put a traceback in the server's error log.
         raise V1Error("INPUT_INVALID", "the body ended early: the client disconnected") from None
     except ValueError as exc:
         raise V1Error("INPUT_INVALID", f"body is not JSON: {exc}") from None

@@ -302,6 +302,7 @@ class GroupCommit:
     def beside(self, work: Callable[[], None]) -> None:
         """Run ``work`` on this thread between deliveries (an alarm's command, say): should it run
         long, what waits here is handed on, as behind a handler."""
+        self._began = time.monotonic()  # timed from here, as a delivery's start is: not from the round before
         flush = self._flush_behind()
         try:
             work()

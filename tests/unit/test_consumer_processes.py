@@ -21,7 +21,7 @@ from kombu.serialization import prepare_accept_content
 from shared.messaging import ALARM_TASK, JSON, LIMIT_MARGIN, STEP_TASK
 from shared.messaging import consumers as module
 from shared.messaging import running as module_running
-from shared.messaging.consumers import StepMessages, _release
+from shared.messaging.consumers import GroupedStepMessages, StepMessages, _release
 from shared.messaging.running import RunningSteps
 from shared.storage import StorageUnavailable
 from shared.storage.codec import json_text
@@ -227,6 +227,27 @@ def test_an_alarm_is_tried_again_then_given_up(running: RunningSteps) -> None:
     consumer = Consumer(running, RuntimeError("once"))
     process(consumer, running).on_message(body(alarm.__dict__), Message(ALARM_TASK))
     assert consumer.alarms == [(alarm, "monitor.alert")] * 2
+
+
+def test_a_process_holding_several_deliveries_runs_an_alarm_beside_them(running: RunningSteps) -> None:
+    """Its command runs on the rounds' thread: through GroupCommit.beside, which hands on what is
+    held should the command run long (tests/unit/test_group_commit.py)."""
+    alarm = Alarm("t1", "three", 7, 1, "beta", "undo", "rollback failed")
+    consumer = Consumer(running)
+    grouped = GroupedStepMessages(None, [], consumer, running, prefetch=8)  # type: ignore[arg-type]
+    beside: list[bool] = []
+
+    def recorded(work: Any) -> None:
+        beside.append(True)
+        work()
+
+    grouped.group.beside = recorded  # type: ignore[method-assign]
+    message = Message(ALARM_TASK)
+    grouped.on_message(body(alarm.__dict__), message)
+    assert consumer.alarms == [] and message.acks == 0  # taken: delivered in the next round
+    [(_, start)] = grouped._taken
+    start()
+    assert beside == [True] and consumer.alarms == [(alarm, "monitor.alert")] and message.acks == 1
 
 
 def test_a_process_whose_main_process_died_hands_its_message_back_and_stops(running: RunningSteps) -> None:

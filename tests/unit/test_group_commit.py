@@ -562,18 +562,24 @@ def test_a_delivery_whose_start_waits_for_its_commit_is_given_back_behind_a_long
     assert [h.service.get(t).status for t in (slow, waiting)] == [TaskStatus.SUCCESS] * 2
 
 
+def two_started(h: Harness, ran: list[str], ended: list[str]) -> tuple[GroupCommit, str, str]:
+    """Two ``noop`` flows held, their starts committed: their handlers run next round."""
+    first, second = submit_all(h, [("noop", {}), ("noop", {})])
+    h.consumer.modules["alpha"].command("step")(lambda ctx: ran.append(ctx.task_id))
+    group = GroupCommit(h.consumer, lambda flight, exc: ended.append(flight.message.task_id))
+    take(h, group, 2)
+    group.work()
+    return group, first, second
+
+
 def test_held_deliveries_are_given_back_behind_a_long_alarm_command() -> None:
     """An alarm's command runs on the rounds' thread between deliveries (a monitor that does not
     answer, say): the deliveries whose starts are stored go out for another consumer, as behind
     a long handler, and end here without running."""
     h = harness({"alpha": Module("alpha"), "beta": testmod.beta})
     ran: list[str] = []
-    first, second = submit_all(h, [("noop", {}), ("noop", {})])
-    h.consumer.modules["alpha"].command("step")(lambda ctx: ran.append(ctx.task_id))
     ended: list[str] = []
-    group = GroupCommit(h.consumer, lambda flight, exc: ended.append(flight.message.task_id))
-    take(h, group, 2)
-    group.work()  # both starts, committed: their handlers run next round
+    group, first, second = two_started(h, ran, ended)
     seen: list[bool] = []
     group.beside(lambda: seen.append(published_for(h, first, 0) and published_for(h, second, 0)))
     while len(group):
@@ -584,6 +590,19 @@ def test_held_deliveries_are_given_back_behind_a_long_alarm_command() -> None:
     take(h, group, 2)  # another consumer's, say
     while len(group):
         group.work()
+    assert [h.service.get(t).status for t in (first, second)] == [TaskStatus.SUCCESS] * 2
+
+
+def test_an_alarm_command_shorter_than_release_after_gives_back_nothing_after_a_long_round() -> None:
+    """Timed from its own start: the round before it, which ran most of RELEASE_AFTER, does not count."""
+    h = harness({"alpha": Module("alpha"), "beta": testmod.beta})
+    ran: list[str] = []
+    group, first, second = two_started(h, ran, [])
+    group._began -= RELEASE_AFTER * 0.95  # as after a round of handlers that long
+    group.beside(lambda: time.sleep(FLUSH_AFTER * 4))
+    while len(group):
+        group.work()
+    assert not h.publisher.messages and set(ran) == {first, second}  # nothing given back: both ran here
     assert [h.service.get(t).status for t in (first, second)] == [TaskStatus.SUCCESS] * 2
 
 
