@@ -72,6 +72,7 @@ def run_worker(settings: Settings, modules: list[str], concurrency: int, metrics
     presence.serve_worker(runtime, modules, concurrency)  # its registry row, with its pool's metrics
     queues = ",".join(queue_name(m) for m in modules)
     log.info("consuming %s with %d processes", queues, concurrency)
+    heap.settle()  # before Celery forks its pool processes, which inherit it
     runtime.celery.worker_main(
         [
             "worker",
@@ -109,6 +110,7 @@ def _run_consumer_pool(runtime: Runtime, modules: list[str], concurrency: int, s
     pool = ConsumerPool(consumer_process, consumer, running, concurrency, settings.shutdown_grace, stop)
     row = presence.worker_presence(runtime, modules, concurrency, pool.in_flight)
     log.info("consuming %s with %d processes", ",".join(q.name for q in queues), concurrency)
+    heap.settle()  # before the consumer processes are forked, which inherit it
     try:
         pool.run()
     finally:

@@ -17,11 +17,13 @@ Parameters read (cursor = step index):
                                creates the file, then SIGKILLs its worker process and itself,
                                before the outcome can be stored
 Every execution is appended to the file named by $TESTMOD_JOURNAL, so tests can
-check what really ran, in which order, besides what the database says.
+check what really ran, in which order, besides what the database says (and how
+many objects the process running it keeps out of the collector's passes).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -39,7 +41,8 @@ def _journal(ctx: StepContext, what: str) -> None:
     path = os.environ.get("TESTMOD_JOURNAL")
     if path:
         line = json.dumps({"task": ctx.task_id, "cursor": ctx.cursor, "type": ctx.step_type,
-                           "attempt": ctx.attempt, "what": what, "pid": os.getpid()})
+                           "attempt": ctx.attempt, "what": what, "pid": os.getpid(),
+                           "frozen": gc.get_freeze_count()})
         with open(path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
