@@ -10,7 +10,7 @@ from starlette.types import Message
 async def post_cut_short(app: Any, path: str, headers: list[tuple[bytes, bytes]], part: bytes) -> tuple[int, bytes]:
     """POST ``part`` of a body to ``path``, then the client is gone: the answer's status and body.
 
-    The app must answer, not raise: raised, it is the server's error log's, with a traceback.
+    The app must answer, not raise: what it raises, the server logs as an error with a traceback.
     """
     came: list[Message] = [{"type": "http.request", "body": part, "more_body": True}, {"type": "http.disconnect"}]
     sent: list[Message] = []
