@@ -103,6 +103,13 @@ class Settings(BaseSettings):
     # tasks they created if schedule_runs_delete_tasks (seed 002 §4.6: six months).
     schedule_runs_keep_days: float = Field(default=180.0, ge=0)
     schedule_runs_delete_tasks: bool = False
+    # Whether RabbitMQ writes step messages to disk (persistent) or keeps them in
+    # memory (transient, the default). The database holds every step, and the
+    # scheduler publishes again what a broker restart lost, so a restart delays the
+    # steps that were queued by up to requeue_after; persistent, they wait for no
+    # sweep, at about a third more of the machine's CPU per flow (benchmarks/README.md,
+    # "Step messages kept in the broker's memory").
+    persistent_messages: bool = False
     # Poll interval of the embedded (SQLite) broker.
     embedded_poll_interval: float = 0.05
     migrate_on_start: bool = True

@@ -19,6 +19,7 @@ from typing import Any
 from billiard.exceptions import WorkerLostError
 from celery import Celery, Task
 from celery.worker.request import Request
+from kombu.entity import PERSISTENT_DELIVERY_MODE, TRANSIENT_DELIVERY_MODE
 from kombu.utils.uuid import uuid
 
 from shared.config import Settings
@@ -156,6 +157,8 @@ def make_celery(settings: Settings) -> Celery:
         # Publisher confirms: a publish returns only once RabbitMQ has the message.
         conf["broker_transport_options"] = {"confirm_publish": True}
         conf["task_queue_max_priority"] = MAX_PRIORITY
+        # The database, not the broker, keeps each step (SPEC §4): see Settings.persistent_messages.
+        conf["task_default_delivery_mode"] = PERSISTENT_DELIVERY_MODE if settings.persistent_messages else TRANSIENT_DELIVERY_MODE
     elif url.startswith(("redis", "rediss")):
         # One list per level, the highest level read first.
         conf["broker_transport_options"] = {

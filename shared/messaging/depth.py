@@ -5,6 +5,10 @@ count), Redis's list lengths over the priority lists of a queue, the embedded
 broker's count of visible rows (through kombu's index on ``visible``). Every
 connection has a short timeout; callers bound the whole call too.
 
+And whether the broker lost the messages it held (:meth:`QueueDepths.lost`): step
+messages are transient by default, so a restart empties the queues, and a depth
+no longer says that a queued step's message is among those waiting.
+
 The scheduler asks at every pass while a batch's first steps wait (every 0.2 s),
 so :class:`QueueDepths` keeps its RabbitMQ connection between questions: opening
 one costs more than the question, and the broker logs each connection opened and
@@ -17,13 +21,20 @@ import os
 import sqlite3
 import threading
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+from kombu.entity import PERSISTENT_DELIVERY_MODE, TRANSIENT_DELIVERY_MODE
 from sqlalchemy.engine import make_url
 
 from shared.config import Settings
 from shared.messaging.kept import KeptConnection
+
+T = TypeVar("T")
+
+# A message of the broker's own, kept where no consumer reads it: gone, the broker
+# lost what it held. Not under the modules' queue prefix, so no module's queue has its name.
+CANARY = "asyncflow-canary"
 
 
 class QueueDepths:
@@ -60,46 +71,75 @@ class QueueDepths:
             return _redis(url, queues, self.timeout)
         if not url.startswith(("amqp", "pyamqp")):
             raise NotImplementedError(f"no queue depth for broker {url.split(':', 1)[0]}")
+        return self._asked(url, lambda: {queue: self._ready(queue) for queue in queues})
+
+    def lost(self) -> bool:
+        """Whether the broker lost the messages it held since this was last asked, of it by anyone.
+
+        Told by the canary (``CANARY``), published as step messages are: missing, the
+        broker restarted (or its queues were purged) since it was put there, and a new
+        one takes its place. So True the first time a broker is asked, and a loss is
+        told once, to whoever asks first: the leading scheduler alone asks. The
+        embedded broker keeps its messages in a file: never.
+        """
+        url = self.settings.resolved_broker_url()
+        if self.settings.is_embedded_broker():
+            return False
+        if url.startswith(("redis", "rediss")):
+            return _redis_lost(url, self.timeout)
+        if not url.startswith(("amqp", "pyamqp")):
+            raise NotImplementedError(f"no canary on broker {url.split(':', 1)[0]}")
+        return self._asked(url, self._canary_lost)
+
+    def _asked(self, url: str, question: Callable[[], T]) -> T:
         with self._lock:
             try:
-                return self._asked(url, queues)
+                kept = self._kept.fit()
+                try:
+                    return self._on_channel(url, question)
+                except Exception:
+                    self._drop()
+                    if not kept:
+                        raise
+                # Most likely the broker restarted while the connection sat here: once more, on a new one.
+                try:
+                    return self._on_channel(url, question)
+                except Exception:
+                    self._drop()
+                    raise
             finally:
                 if self._closed:  # closed while this question was under way
                     self._drop()
 
-    def _asked(self, url: str, queues: Sequence[str]) -> dict[str, int]:
-        kept = self._kept.fit()
-        try:
-            return self._rabbitmq(url, queues)
-        except Exception:
-            self._drop()
-            if not kept:
-                raise
-        # Most likely the broker restarted while the connection sat here: once more, on a new one.
-        try:
-            return self._rabbitmq(url, queues)
-        except Exception:
-            self._drop()
-            raise
-
-    def _rabbitmq(self, url: str, queues: Sequence[str]) -> dict[str, int]:
+    def _on_channel(self, url: str, question: Callable[[], T]) -> T:
         from kombu.connection import Connection
 
         if self._channel is None or not self._kept.owned():  # none yet, or the parent's, inherited at a fork
             options = {"read_timeout": self.timeout, "write_timeout": self.timeout}
             conn = self._kept.open(lambda: Connection(url, connect_timeout=self.timeout, transport_options=options))  # type: ignore[no-untyped-call]
             self._channel = conn.channel()
-        conn = self._kept.conn
-        depths: dict[str, int] = {}
-        for queue in queues:
-            try:
-                depths[queue] = int(self._channel.queue_declare(queue=queue, passive=True).message_count)
-            except conn.channel_errors:  # 404: never declared, so empty
-                depths[queue] = 0
-                if not self._channel.is_open:  # the broker closed it; py-amqp opens it again itself
-                    self._channel = conn.channel()
+        answer = question()
         self._kept.used()
-        return depths
+        return answer
+
+    def _ready(self, queue: str) -> int:
+        conn = self._kept.conn
+        try:
+            return int(self._channel.queue_declare(queue=queue, passive=True).message_count)
+        except conn.channel_errors:  # 404: never declared, so empty
+            if not self._channel.is_open:  # the broker closed it; py-amqp opens it again itself
+                self._channel = conn.channel()
+            return 0
+
+    def _canary_lost(self) -> bool:
+        if self._ready(CANARY):
+            return False
+        mode = PERSISTENT_DELIVERY_MODE if self.settings.persistent_messages else TRANSIENT_DELIVERY_MODE
+        self._channel.queue_declare(queue=CANARY, durable=True, auto_delete=False)
+        canary = self._channel.prepare_message(b"", properties={"delivery_mode": mode})
+        # Confirmed: in its queue by the time the loss is told, for whoever asks next.
+        self._channel.basic_publish_confirm(canary, exchange="", routing_key=CANARY, confirm_timeout=self.timeout)
+        return True
 
     def _drop(self) -> None:
         self._kept.drop()
@@ -158,3 +198,14 @@ def _redis(url: str, queues: Sequence[str], timeout: float) -> dict[str, int]:
         client.close()
     per_queue = MAX_PRIORITY + 1
     return {queue: sum(lengths[i * per_queue : (i + 1) * per_queue]) for i, queue in enumerate(queues)}
+
+
+def _redis_lost(url: str, timeout: float) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    try:
+        # Set only where missing: the key is the canary, and a Redis that restarted without its data lost it.
+        return bool(client.set(CANARY, b"", nx=True))
+    finally:
+        client.close()

@@ -10,6 +10,7 @@ late cannot fire anything the new one fired.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -36,6 +37,8 @@ STANDBY_POLL = 0.5
 # Users' changes are read from this long before the previous read, for changes
 # that committed just after it and for API hosts whose clocks lag a little.
 CHANGE_SKEW = 1.0
+# The leader asks the broker this often whether it lost the messages it held.
+BROKER_WATCH = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class Scheduler:
         processes: ProcessStore | None = None,
         backlogged: Callable[[], frozenset[str]] | None = None,
         room: Callable[[], Mapping[str, int]] | None = None,
+        broker_lost: Callable[[], bool] | None = None,
     ) -> None:
         self.service = service
         self.pull = pull
@@ -73,9 +77,13 @@ class Scheduler:
         self.processes = processes
         self.backlogged = backlogged  # modules whose queues hold messages waiting (sweep_tasks)
         self.room = room  # how many of a batch's first steps each module's queue may take (sweep_tasks)
+        self.broker_lost = broker_lost  # whether the broker lost what it held since last asked (QueueDepths.lost)
+        self._broker_lost_at = -math.inf
         self.lease: Lease | None = None
         self.timetable = Timetable()
-        self._due = {"renew": 0.0, "load": 0.0, "changes": 0.0, "sweep": 0.0, "purge": 0.0, "processes": 0.0}
+        self._due = {
+            "renew": 0.0, "load": 0.0, "changes": 0.0, "sweep": 0.0, "purge": 0.0, "processes": 0.0, "broker": 0.0,
+        }
         self._changes_read_at = 0.0
         self._loaded: tuple[float, str] | None = None  # where the last page of due schedules ended
 
@@ -89,8 +97,27 @@ class Scheduler:
         """
         now = self.clock()
         until = time.monotonic() + self.cadence.lease_ttl / 10
-        swept = sweep_tasks(self.service, now, until=until, backlogged=self.backlogged, room=self.room)
+        # For requeue_after after the broker lost what it held, every queued message that
+        # comes due is one it lost or one published since: none is held back behind a
+        # queue's depth, which counts only the latter.
+        backlogged = self.backlogged if now - self._broker_lost_at >= self.service.timing.requeue_after else None
+        swept = sweep_tasks(self.service, now, until=until, backlogged=backlogged, room=self.room)
         return swept + sweep_leases(self.pull, now)
+
+    def _watch_broker(self, now: float) -> None:
+        assert self.broker_lost is not None
+        self._due["broker"] = now + BROKER_WATCH
+        try:
+            lost = self.broker_lost()
+        except Exception as exc:  # down, most likely: asked again at the next watch
+            log.debug("scheduler: could not ask the broker whether it lost its messages: %s", exc)
+            return
+        if lost:
+            self._broker_lost_at = now
+            log.warning(
+                "scheduler: the broker holds none of the messages it was given (restarted, purged, or new); "
+                "queued steps are published again as they come due"
+            )
 
     def run(self, stop: threading.Event) -> None:
         """Lead or stand by until ``stop`` is set; on a clean stop, hand the lease over."""
@@ -133,6 +160,8 @@ class Scheduler:
             log.warning("scheduler %s: lost the lead: %s", self.owner, exc)
             self._stand_by()
             return self._due["renew"] - now
+        if self.broker_lost is not None and now >= self._due["broker"]:
+            self._watch_broker(now)
         if now >= self._due["sweep"]:
             metrics.SCHEDULER_LAG.observe(now - self._due["sweep"])
             if self.tick():
@@ -184,7 +213,7 @@ class Scheduler:
             log.info("scheduler %s leads (epoch %d)", self.owner, lease.epoch)
             self.timetable.clear()
             self._loaded = None
-            self._due.update(load=now, changes=now, sweep=now)
+            self._due.update(load=now, changes=now, sweep=now, broker=now)
             self._changes_read_at = now  # the full load reads what is due
         self.lease = lease
 

@@ -11,10 +11,13 @@ import pytest
 
 from shared.flows import parse_flows
 from shared.saga import Timing
-from shared.scheduler import sweep_tasks
+from shared.pull.service import PullService
+from shared.scheduler import Cadence, Scheduler, sweep_tasks
+from shared.schedules.service import ScheduleService
 from shared.service import Submission, TaskService
 from shared.states import Phase, StepCode, TaskStatus
-from shared.storage import StorageUnavailable, TaskStore
+from shared.storage import PullStore, StorageUnavailable, TaskStore
+from shared.storage.base import ScheduleStore
 from shared.task import StepMessage
 from shared.testing import ManualClock, QueuePublisher
 
@@ -277,6 +280,46 @@ def test_queued_messages_of_a_module_with_a_backlog_are_left_in_its_queue(store:
     clock.advance(5)
     assert sweep_tasks(service, clock(), backlogged=unknown) == 5  # no answer: published again, as before
     assert sorted(m.task_id for m in publisher.messages) == sorted(ids)
+
+
+def test_once_the_broker_lost_what_it_held_the_leader_holds_nothing_back_for_requeue_after(
+    store: TaskStore, pull_store: PullStore, schedule_store: ScheduleStore  # noqa: F811
+) -> None:
+    clock, publisher = ManualClock(), QueuePublisher()
+    service = TaskService(store, publisher, FLOWS, clock=clock, timing=TIMING)
+    pull = PullService(pull_store, clock=clock)
+    answers = [True, False]  # a broker never asked, then one that kept its canary
+    asked: list[float] = []
+
+    def broker_lost() -> bool:
+        asked.append(clock())
+        if not answers:
+            raise ConnectionRefusedError("the broker is down")  # asked again at the next watch
+        return answers.pop(0)
+
+    scheduler = Scheduler(
+        service,
+        pull,
+        ScheduleService(schedule_store, service, pull, clock=clock),
+        Cadence(),
+        clock,
+        backlogged=lambda: frozenset({"m"}),
+        broker_lost=broker_lost,
+    )
+    begun = clock()
+    ids = [service.submit("one", {})[0].task_id for _ in range(2)]
+    publisher.messages.clear()
+    clock.advance(1)
+    scheduler.step()  # leads, and asks at once
+    later = service.submit("one", {})[0].task_id
+    clock.advance(4)
+    scheduler.step()  # the first two come due within requeue_after of the loss: published again
+    assert sorted(m.task_id for m in publisher.messages) == sorted([later, *ids])
+    publisher.messages.clear()
+    clock.advance(5)
+    scheduler.step()  # past it, the backlog holds all three back, though the broker did not answer
+    assert not publisher.messages
+    assert asked == [begun + 1, begun + 5, begun + 10]  # at most once a second, while leading
 
 
 def test_a_message_held_in_a_backlog_requeue_holds_times_is_published_again(store: TaskStore) -> None:  # noqa: F811
