@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from shared.flows import parse_flows
-from shared.saga import Timing
 from shared.pull.service import PullService
+from shared.saga import Timing
 from shared.scheduler import Cadence, Scheduler, sweep_tasks
 from shared.schedules.service import ScheduleService
 from shared.service import Submission, TaskService
