@@ -107,7 +107,7 @@ class Settings(BaseSettings):
     # memory (transient, the default). The database holds every step, and the
     # scheduler publishes again what a broker restart lost, so a restart delays the
     # steps that were queued by up to requeue_after; persistent, they wait for no
-    # sweep, at about half as much again of the machine's CPU per flow
+    # sweep, at 10-47 % more of the machine's CPU per flow as measured
     # (benchmarks/README.md, "Step messages kept in the broker's memory").
     persistent_messages: bool = False
     # Poll interval of the embedded (SQLite) broker.
