@@ -106,9 +106,9 @@ class Settings(BaseSettings):
     # Whether RabbitMQ writes step messages to disk (persistent) or keeps them in
     # memory (transient, the default). The database holds every step, and the
     # scheduler publishes again what a broker restart lost, so a restart delays the
-    # steps that were queued by up to requeue_after; persistent, they wait for no
-    # sweep, at 10-47 % more of the machine's CPU per flow as measured
-    # (benchmarks/README.md, "Step messages kept in the broker's memory").
+    # steps that were queued until they have waited requeue_after; persistent, they
+    # wait for no sweep, at a cost measured in benchmarks/README.md ("Step messages
+    # kept in the broker's memory"). Alarms are persistent either way.
     persistent_messages: bool = False
     # Poll interval of the embedded (SQLite) broker.
     embedded_poll_interval: float = 0.05

@@ -192,7 +192,8 @@ class Runtime:
             # A publisher given in place of the configured one has no broker to ask.
             backlogged=self.backlogged_modules if self._publisher is None else None,
             room=self.queue_room if self._publisher is None else None,
-            broker_lost=self.queue_depths.lost if self._publisher is None else None,
+            # The embedded broker keeps its messages in a file.
+            broker_lost=self.queue_depths.lost if self._publisher is None and not s.is_embedded_broker() else None,
         )
 
     def backlogged_modules(self) -> frozenset[str]:

@@ -91,7 +91,8 @@ class Requeue:
     ``backlogged``: modules whose queues still hold messages waiting their turn. A
     message of one of them is most likely among those (the scheduler names none for
     a while once the broker has lost what it held), so it is looked at again after
-    ``requeue_after`` instead, up to ``Timing.requeue_holds`` times: a copy published into a backlog is one more
+    ``requeue_after`` instead, up to ``Timing.requeue_holds`` times: a copy
+    published into a backlog is one more
     message to deliver, read and drop as stale, and a queue ``requeue_after`` behind
     would get a copy of every message at every pass, so it would fall further
     behind. The bound is for the message that is not there after all (lost between

@@ -157,8 +157,6 @@ def make_celery(settings: Settings) -> Celery:
         # Publisher confirms: a publish returns only once RabbitMQ has the message.
         conf["broker_transport_options"] = {"confirm_publish": True}
         conf["task_queue_max_priority"] = MAX_PRIORITY
-        # The database, not the broker, keeps each step (SPEC §4): see Settings.persistent_messages.
-        conf["task_default_delivery_mode"] = PERSISTENT_DELIVERY_MODE if settings.persistent_messages else TRANSIENT_DELIVERY_MODE
     elif url.startswith(("redis", "rediss")):
         # One list per level, the highest level read first.
         conf["broker_transport_options"] = {
@@ -168,6 +166,16 @@ def make_celery(settings: Settings) -> Celery:
         }
     app.conf.update(conf)
     return app
+
+
+def step_delivery_mode(settings: Settings) -> int:
+    """How RabbitMQ keeps step messages: in memory unless ``persistent_messages``.
+
+    The database, not the broker, holds each step (SPEC §4), and the requeue sweep
+    publishes again what a broker lost. Anything else (an alarm, which nothing
+    publishes again) goes persistent, Celery's default.
+    """
+    return PERSISTENT_DELIVERY_MODE if settings.persistent_messages else TRANSIENT_DELIVERY_MODE
 
 
 # Seconds a delivery keeps clear of its soft limit when it runs further steps.
@@ -470,6 +478,7 @@ class CeleryPublisher:
         self._line = ConfirmedLine(app) if url.startswith(("amqp", "pyamqp")) else None
         # Read once: each lookup in Celery's configuration costs more than the message's own fields.
         self._delivery_mode = app.conf.task_default_delivery_mode
+        self._step_delivery_mode = step_delivery_mode(settings)
         self._retry_policy = app.conf.task_publish_retry_policy
         self._templates: dict[tuple[int, str], tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
 
@@ -516,6 +525,7 @@ class CeleryPublisher:
             STEP_TASK,
             evolve(message, sent_at=time.time()).to_payload(),
             queue_name(message.module),
+            self._step_delivery_mode,
             priority=self._level(message),
             time_limit=soft_limit + self.grace,
             soft_time_limit=soft_limit,
@@ -530,6 +540,7 @@ class CeleryPublisher:
         task: str,
         payload: dict[str, Any],
         queue: str,
+        delivery_mode: int,
         argsrepr: str,
         priority: int | None = None,
         time_limit: float | None = None,
@@ -568,7 +579,7 @@ class CeleryPublisher:
                 routing_key=queue,
                 headers=headers,
                 priority=priority,
-                delivery_mode=self._delivery_mode,
+                delivery_mode=delivery_mode,
                 declare=[] if hash(declared) in sender.connection.declared_entities else [declared],
                 # Not on a ConfirmedLine's producer: kombu would reconnect it under the line,
                 # on a channel not in confirm mode. The line tries again itself.
@@ -601,4 +612,6 @@ class CeleryPublisher:
         if not self.alert_command:
             return
         module = self.alert_command.partition(".")[0]
-        self._publish(ALARM_TASK, alarm.__dict__, queue_name(module), argsrepr=f"{alarm.task_id} alarm {alarm.seq}")
+        self._publish(
+            ALARM_TASK, alarm.__dict__, queue_name(module), self._delivery_mode, argsrepr=f"{alarm.task_id} alarm {alarm.seq}"
+        )

@@ -24,10 +24,10 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kombu.entity import PERSISTENT_DELIVERY_MODE, TRANSIENT_DELIVERY_MODE
 from sqlalchemy.engine import make_url
 
 from shared.config import Settings
+from shared.messaging import step_delivery_mode
 from shared.messaging.kept import KeptConnection
 
 T = TypeVar("T")
@@ -53,6 +53,7 @@ class QueueDepths:
         self._kept = KeptConnection("queue depth")
         self._channel: Any = None
         self._closed = False
+        self._canary_missing = False  # by the question under way (lost)
         ref = weakref.ref(self)
 
         def unlocked_in_child() -> None:  # a question under way in another thread stays in the parent
@@ -74,13 +75,13 @@ class QueueDepths:
         return self._asked(url, lambda: {queue: self._ready(queue) for queue in queues})
 
     def lost(self) -> bool:
-        """Whether the broker lost the messages it held since this was last asked, of it by anyone.
+        """Whether the broker lost the messages it held since anyone last asked this.
 
-        Told by the canary (``CANARY``), published as step messages are: missing, the
-        broker restarted (or its queues were purged) since it was put there, and a new
-        one takes its place. So True the first time a broker is asked, and a loss is
-        told once, to whoever asks first: the leading scheduler alone asks. The
-        embedded broker keeps its messages in a file: never.
+        Told by the canary (``CANARY``), published as step messages are: found
+        missing, the broker restarted (or the canary's queue was purged) since it was
+        put there, and a new one takes its place. So True the first time a broker is
+        asked, and a loss is told once, to whoever asks first: the leading scheduler
+        alone asks. The embedded broker keeps its messages in a file: never.
         """
         url = self.settings.resolved_broker_url()
         if self.settings.is_embedded_broker():
@@ -89,7 +90,15 @@ class QueueDepths:
             return _redis_lost(url, self.timeout)
         if not url.startswith(("amqp", "pyamqp")):
             raise NotImplementedError(f"no canary on broker {url.split(':', 1)[0]}")
-        return self._asked(url, self._canary_lost)
+        self._canary_missing = False
+        try:
+            return self._asked(url, self._canary_lost) or self._canary_missing
+        except Exception:
+            # Found missing, then its successor not confirmed: the loss is told now, or
+            # never (the next question may find that successor there after all).
+            if self._canary_missing:
+                return True
+            raise
 
     def _asked(self, url: str, question: Callable[[], T]) -> T:
         with self._lock:
@@ -117,6 +126,8 @@ class QueueDepths:
         if self._channel is None or not self._kept.owned():  # none yet, or the parent's, inherited at a fork
             options = {"read_timeout": self.timeout, "write_timeout": self.timeout}
             conn = self._kept.open(lambda: Connection(url, connect_timeout=self.timeout, transport_options=options))  # type: ignore[no-untyped-call]
+            # One try: kombu's own second one would come 2 s later, and the caller asks again anyway.
+            conn.ensure_connection(max_retries=0, reraise_as_library_errors=False)
             self._channel = conn.channel()
         answer = question()
         self._kept.used()
@@ -134,9 +145,9 @@ class QueueDepths:
     def _canary_lost(self) -> bool:
         if self._ready(CANARY):
             return False
-        mode = PERSISTENT_DELIVERY_MODE if self.settings.persistent_messages else TRANSIENT_DELIVERY_MODE
+        self._canary_missing = True
         self._channel.queue_declare(queue=CANARY, durable=True, auto_delete=False)
-        canary = self._channel.prepare_message(b"", properties={"delivery_mode": mode})
+        canary = self._channel.prepare_message(b"", properties={"delivery_mode": step_delivery_mode(self.settings)})
         # Confirmed: in its queue by the time the loss is told, for whoever asks next.
         self._channel.basic_publish_confirm(canary, exchange="", routing_key=CANARY, confirm_timeout=self.timeout)
         return True

@@ -25,7 +25,7 @@ from shared.scheduler.sweeps import sweep_leases, sweep_tasks
 from shared.schedules.service import ScheduleService
 from shared.schedules.timetable import Timetable, wake_at
 from shared.service import TaskService
-from shared.storage import StorageUnavailable
+from shared.storage import Outstanding, StorageUnavailable
 from shared.storage.base import Lease, NotLeader, ProcessStore
 
 log = logging.getLogger(__name__)
@@ -78,12 +78,13 @@ class Scheduler:
         self.backlogged = backlogged  # modules whose queues hold messages waiting (sweep_tasks)
         self.room = room  # how many of a batch's first steps each module's queue may take (sweep_tasks)
         self.broker_lost = broker_lost  # whether the broker lost what it held since last asked (QueueDepths.lost)
-        self._broker_lost_at = -math.inf
+        # When the broker was last found to have lost what it held, or this scheduler took
+        # the lead (not knowing whether it had): None once every message it may have lost
+        # has been swept (:meth:`_may_hold_back`).
+        self._broker_lost_at: float | None = None
         self.lease: Lease | None = None
         self.timetable = Timetable()
-        self._due = {
-            "renew": 0.0, "load": 0.0, "changes": 0.0, "sweep": 0.0, "purge": 0.0, "processes": 0.0, "broker": 0.0,
-        }
+        self._due = dict.fromkeys(("renew", "load", "changes", "sweep", "purge", "processes", "broker"), 0.0)
         self._changes_read_at = 0.0
         self._loaded: tuple[float, str] | None = None  # where the last page of due schedules ended
 
@@ -97,18 +98,38 @@ class Scheduler:
         """
         now = self.clock()
         until = time.monotonic() + self.cadence.lease_ttl / 10
-        # For requeue_after after the broker lost what it held, every queued message that
-        # comes due is one it lost or one published since: none is held back behind a
-        # queue's depth, which counts only the latter.
-        backlogged = self.backlogged if now - self._broker_lost_at >= self.service.timing.requeue_after else None
+        backlogged = self.backlogged if self._may_hold_back(now) else None
         swept = sweep_tasks(self.service, now, until=until, backlogged=backlogged, room=self.room)
         return swept + sweep_leases(self.pull, now)
 
-    def _watch_broker(self, now: float) -> None:
-        assert self.broker_lost is not None
+    def _may_hold_back(self, now: float) -> bool:
+        """Whether the sweep may leave a queued message due in its queue's backlog.
+
+        Not once the broker may have lost what it held: every message it lost comes
+        due within requeue_after of that, before the moment it was found (published
+        or held back before it), and a queue's depth counts only those published
+        since. Until each outstanding message due before then has been swept, which
+        under a backlog of requeues may take longer than requeue_after (a pass is
+        bounded), or until requeue_holds times requeue_after, the bound a held
+        message has anyway.
+        """
+        if self._broker_lost_at is None:
+            return True
+        timing = self.service.timing
+        lost_by = self._broker_lost_at + timing.requeue_after
+        if now < lost_by or (
+            now < self._broker_lost_at + timing.requeue_holds * timing.requeue_after
+            # Strictly before: one published again in the pass that found the loss is due at lost_by.
+            and self.service.due(math.nextafter(lost_by, -math.inf), 1, Outstanding.SENT)
+        ):
+            return False
+        self._broker_lost_at = None
+        return True
+
+    def _watch_broker(self, broker_lost: Callable[[], bool], now: float) -> None:
         self._due["broker"] = now + BROKER_WATCH
         try:
-            lost = self.broker_lost()
+            lost = broker_lost()
         except Exception as exc:  # down, most likely: asked again at the next watch
             log.debug("scheduler: could not ask the broker whether it lost its messages: %s", exc)
             return
@@ -161,7 +182,7 @@ class Scheduler:
             self._stand_by()
             return self._due["renew"] - now
         if self.broker_lost is not None and now >= self._due["broker"]:
-            self._watch_broker(now)
+            self._watch_broker(self.broker_lost, now)
         if now >= self._due["sweep"]:
             metrics.SCHEDULER_LAG.observe(now - self._due["sweep"])
             if self.tick():
@@ -174,6 +195,8 @@ class Scheduler:
             self.processes.purge(now - c.process_retention)
             self._due["processes"] = now + 60.0
         wake = min(self._due[k] for k in ("renew", "load", "changes", "sweep"))
+        if self.broker_lost is not None:
+            wake = min(wake, self._due["broker"])
         following = self.timetable.next_at()
         if following is not None:
             wake = min(wake, following)
@@ -214,6 +237,9 @@ class Scheduler:
             self.timetable.clear()
             self._loaded = None
             self._due.update(load=now, changes=now, sweep=now, broker=now)
+            # What the broker lost before this lead began (a restart while another scheduler
+            # led, and told it) is not known here: as if it had lost everything.
+            self._broker_lost_at = now if self.broker_lost is not None else None
             self._changes_read_at = now  # the full load reads what is due
         self.lease = lease
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kombu import Connection
@@ -21,6 +22,7 @@ from shared.messaging import queue_name
 from shared.messaging.depth import CANARY, QueueDepths
 from shared.runtime import Runtime
 from shared.storage import InMemoryStore
+from shared.task import Alarm
 from shared.testing import ManualClock
 from tests.conftest import redis_db, require_service, unreachable
 
@@ -68,6 +70,31 @@ def test_the_canary_tells_a_lost_broker_once_to_whoever_asks_first(broker_url: s
         others.close()
 
 
+@pytest.mark.rabbitmq
+def test_a_loss_is_told_though_the_canary_put_in_its_place_was_not_confirmed(
+    broker_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from amqp.channel import Channel
+
+    depths = QueueDepths(Settings(home=tmp_path, broker_url=broker_url), 5.0)
+    try:
+        assert depths.lost()
+        _lose_everything(broker_url)
+        sent = Channel.basic_publish_confirm
+
+        def unconfirmed(self: Channel, *args: Any, **kwargs: Any) -> None:
+            sent(self, *args, **kwargs)
+            raise TimeoutError("no confirm")  # it landed all the same
+
+        monkeypatch.setattr(Channel, "basic_publish_confirm", unconfirmed)
+        # Asked again on a new connection, the new canary is there: the loss is told anyway.
+        assert depths.lost()
+        monkeypatch.undo()
+        assert not depths.lost()
+    finally:
+        depths.close()
+
+
 @pytest.mark.redis
 def test_on_redis_the_canary_is_a_key_a_restart_without_its_data_loses() -> None:
     require_service("Redis", unreachable(6379))
@@ -95,7 +122,9 @@ def test_the_embedded_broker_keeps_its_messages_in_a_file(tmp_path: Path) -> Non
 @pytest.fixture
 def rabbitmq_runtime(broker_url: str, tmp_path: Path) -> Iterator[tuple[Runtime, ManualClock, QueueDepths]]:
     clock = ManualClock()
-    runtime = _runtime(Settings(home=tmp_path, broker_url=broker_url, requeue_after=REQUEUE_AFTER), clock)
+    # A lease the manual clock's jumps never outlast, and a sweep pass never cut short by it.
+    settings = Settings(home=tmp_path, broker_url=broker_url, requeue_after=REQUEUE_AFTER, scheduler_lease_ttl=600)
+    runtime = _runtime(settings, clock)
     depths = QueueDepths(runtime.settings, 5.0)
     try:
         yield runtime, clock, depths
@@ -111,6 +140,7 @@ def test_queued_steps_the_broker_lost_are_published_again_when_due_however_deep_
     runtime, clock, depths = rabbitmq_runtime
     service, scheduler = runtime.service, runtime.scheduler
     scheduler.step()  # leads, and plants the canary: a broker never asked
+    clock.advance(1)
     for _ in range(3):
         service.submit("one", {})
     clock.advance(REQUEUE_AFTER)
@@ -144,5 +174,8 @@ def test_step_messages_are_transient_unless_set_persistent(
     try:
         runtime.service.submit("one", {})
         assert _delivery_modes(broker_url, QUEUE) == [mode]
+        # An alarm is not in the database to be published again: persistent either way.
+        runtime.broker_publisher.alarm(Alarm("t", "one", 3, 0, "m", "c", "failed"))
+        assert _delivery_modes(broker_url, queue_name("monitor")) == [2]
     finally:
         runtime.close()
