@@ -477,7 +477,7 @@ class CeleryPublisher:
         self._inverted = url.startswith(("redis", "rediss"))
         self._line = ConfirmedLine(app) if url.startswith(("amqp", "pyamqp")) else None
         # Read once: each lookup in Celery's configuration costs more than the message's own fields.
-        self._delivery_mode = app.conf.task_default_delivery_mode
+        self._alarm_delivery_mode = app.conf.task_default_delivery_mode  # Celery's: persistent
         self._step_delivery_mode = step_delivery_mode(settings)
         self._retry_policy = app.conf.task_publish_retry_policy
         self._templates: dict[tuple[int, str], tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
@@ -612,6 +612,5 @@ class CeleryPublisher:
         if not self.alert_command:
             return
         module = self.alert_command.partition(".")[0]
-        self._publish(
-            ALARM_TASK, alarm.__dict__, queue_name(module), self._delivery_mode, argsrepr=f"{alarm.task_id} alarm {alarm.seq}"
-        )
+        argsrepr = f"{alarm.task_id} alarm {alarm.seq}"
+        self._publish(ALARM_TASK, alarm.__dict__, queue_name(module), self._alarm_delivery_mode, argsrepr=argsrepr)
