@@ -14,6 +14,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_HOME = Path(".asyncflow")
 
+# Each broker has its own priorities, confirms and ways to ask about its queues.
+BrokerKind = Literal["embedded", "rabbitmq", "redis", "other"]
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ASYNCFLOW_", extra="ignore")
@@ -147,8 +150,18 @@ class Settings(BaseSettings):
     def resolved_api_url(self) -> str:
         return self.api_url or f"http://{self.api_host}:{self.api_port}"
 
+    def broker_kind(self) -> BrokerKind:
+        url = self.resolved_broker_url()
+        if url.startswith("sqla+sqlite"):
+            return "embedded"
+        if url.startswith(("amqp", "pyamqp")):
+            return "rabbitmq"
+        if url.startswith(("redis", "rediss")):
+            return "redis"
+        return "other"
+
     def is_embedded_broker(self) -> bool:
-        return self.resolved_broker_url().startswith("sqla+sqlite")
+        return self.broker_kind() == "embedded"
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -120,9 +120,10 @@ def servers(settings: Settings) -> list[tuple[Minimum, str]]:
     database, broker = settings.resolved_database_url(), settings.resolved_broker_url()
     if database.startswith("postgresql"):
         found.append((POSTGRESQL, database))
-    if broker.startswith(("redis://", "rediss://")):
+    kind = settings.broker_kind()
+    if kind == "redis":
         found.append((REDIS, broker))
-    elif broker.startswith(("amqp://", "amqps://", "pyamqp://")):
+    elif kind == "rabbitmq":
         found.append((RABBITMQ, broker))
     return found
 

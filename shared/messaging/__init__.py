@@ -149,15 +149,16 @@ def make_celery(settings: Settings) -> Celery:
         # Consumers wait for the broker forever instead of exiting after 100 tries.
         broker_connection_max_retries=None,
     )
-    if settings.is_embedded_broker():
+    kind = settings.broker_kind()
+    if kind == "embedded":
         conf["broker_transport_options"] = {"polling_interval": settings.embedded_poll_interval}
         # The SQL transport has no fanout: remote control would only poll in vain.
         conf["worker_enable_remote_control"] = False
-    elif url.startswith(("amqp", "pyamqp")):
+    elif kind == "rabbitmq":
         # Publisher confirms: a publish returns only once RabbitMQ has the message.
         conf["broker_transport_options"] = {"confirm_publish": True}
         conf["task_queue_max_priority"] = MAX_PRIORITY
-    elif url.startswith(("redis", "rediss")):
+    elif kind == "redis":
         # One list per level, the highest level read first.
         conf["broker_transport_options"] = {
             "priority_steps": list(range(MAX_PRIORITY + 1)),
@@ -472,10 +473,10 @@ class CeleryPublisher:
         self.continue_within = settings.continue_within
         self.alert_command = settings.alert_command
         self._paused_until = 0.0
-        url = settings.resolved_broker_url()
+        kind = settings.broker_kind()
         # Redis reads level 0 first, RabbitMQ the highest: the same order either way.
-        self._inverted = url.startswith(("redis", "rediss"))
-        self._line = ConfirmedLine(app) if url.startswith(("amqp", "pyamqp")) else None
+        self._inverted = kind == "redis"
+        self._line = ConfirmedLine(app) if kind == "rabbitmq" else None
         # Read once: each lookup in Celery's configuration costs more than the message's own fields.
         self._alarm_delivery_mode = app.conf.task_default_delivery_mode  # Celery's: persistent
         self._step_delivery_mode = step_delivery_mode(settings)

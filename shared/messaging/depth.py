@@ -65,12 +65,12 @@ class QueueDepths:
 
     def __call__(self, queues: Sequence[str]) -> dict[str, int]:
         """Messages ready in each of ``queues`` (a queue never declared has none)."""
-        url = self.settings.resolved_broker_url()
-        if self.settings.is_embedded_broker():
+        url, kind = self.settings.resolved_broker_url(), self.settings.broker_kind()
+        if kind == "embedded":
             return _embedded(url, queues, self.timeout)
-        if url.startswith(("redis", "rediss")):
+        if kind == "redis":
             return _redis(url, queues, self.timeout)
-        if not url.startswith(("amqp", "pyamqp")):
+        if kind != "rabbitmq":
             raise NotImplementedError(f"no queue depth for broker {url.split(':', 1)[0]}")
         return self._asked(url, lambda: {queue: self._ready(queue) for queue in queues})
 
@@ -83,12 +83,12 @@ class QueueDepths:
         asked, and a loss is told once, to whoever asks first: the leading scheduler
         alone asks. The embedded broker keeps its messages in a file: never.
         """
-        url = self.settings.resolved_broker_url()
-        if self.settings.is_embedded_broker():
+        url, kind = self.settings.resolved_broker_url(), self.settings.broker_kind()
+        if kind == "embedded":
             return False
-        if url.startswith(("redis", "rediss")):
+        if kind == "redis":
             return _redis_lost(url, self.timeout)
-        if not url.startswith(("amqp", "pyamqp")):
+        if kind != "rabbitmq":
             raise NotImplementedError(f"no canary on broker {url.split(':', 1)[0]}")
         self._canary_missing = False
         try:

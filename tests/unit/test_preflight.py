@@ -72,6 +72,22 @@ def test_servers_follow_the_urls(
     assert preflight.servers(Settings(database_url=database, broker_url=broker)) == expected
 
 
+@pytest.mark.parametrize(
+    ("broker", "kind"),
+    [
+        (None, "embedded"),
+        ("amqp://guest:guest@mq:5672//", "rabbitmq"),
+        ("amqps://mq:5671//", "rabbitmq"),
+        ("pyamqp://mq//", "rabbitmq"),
+        ("redis://cache:6379/0", "redis"),
+        ("rediss://cache:6380/0", "redis"),
+        ("memory://", "other"),
+    ],
+)
+def test_the_broker_kind_is_read_off_the_url(broker: str | None, kind: str) -> None:
+    assert Settings(broker_url=broker).broker_kind() == kind
+
+
 def probes(**versions: Version) -> dict[Minimum, preflight.Probe]:
     by_name = {"postgresql": POSTGRESQL, "redis": REDIS, "rabbitmq": RABBITMQ}
     return {by_name[name]: (lambda url, v=v: v) for name, v in versions.items()}
