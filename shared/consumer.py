@@ -478,7 +478,7 @@ class StepConsumer:
                     permanent=True,
                 )
         elapsed, label = self.clock() - started, metrics.outcome_of(event)
-        metrics.STEP_SECONDS.labels(message.module, message.command, type(event).__name__).observe(elapsed)
+        metrics.STEP_SECONDS.labels(message.module, message.command, label).observe(elapsed)
         metrics.STEP_ATTEMPTS.labels(message.module, message.command, label).inc()
         why = f": {event.error}" if isinstance(event, Failed) else ""
         log.info("step attempt %s in %.3fs%s", label.replace("_", " "), elapsed, why, extra={"task_id": message.task_id})

@@ -50,10 +50,10 @@ def test_api_metrics_cover_the_workers_scheduler_and_queues(tmp_path: Path) -> N
         # attempts within the wait, or it fails.
         samples = wait_for(reported, 30, "the worker's attempts and the scheduler's lead in the API's /metrics")
         assert value(
-            samples, "asyncflow_step_seconds_count", module="alpha", command="step", outcome="Succeeded"
+            samples, "asyncflow_step_seconds_count", module="alpha", command="step", outcome="succeeded"
         ) == 2
         assert value(
-            samples, "asyncflow_step_seconds_bucket", module="beta", command="step", outcome="Succeeded", le="+Inf"
+            samples, "asyncflow_step_seconds_bucket", module="beta", command="step", outcome="succeeded", le="+Inf"
         ) == 1
         assert value(samples, "asyncflow_step_queue_wait_seconds_count", module="alpha") == 2
         # The API's own, and the scheduler's.
