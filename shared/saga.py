@@ -94,8 +94,9 @@ class Requeue:
     ``requeue_after`` instead, up to ``Timing.requeue_holds`` times: a copy
     published into a backlog is one more message to deliver, read and drop as
     stale, and a queue ``requeue_after`` behind would get a copy of every message
-    at every pass, so it would fall further behind. The bound is for the message that is not there after all (lost between
-    the commit and the publish, or by the broker). One the broker refused
+    at every pass, so it would fall further behind. The bound is for the message
+    that is not there after all (lost between the commit and the publish, or by
+    the broker). One the broker refused
     (:class:`PublishFailed`) is never held.
     """
 
