@@ -13,12 +13,15 @@ Prints calls/s, latency percentiles and the machine, next to the seed's figures
 which are quoted, not measured here.
 
     python benchmarks/v1_api.py [--backend postgres|embedded] [--clients 8] [--seconds 10] [--api-workers 1]
-                                [--load python|wrk] [--server uvicorn|uvicorn-h11|granian]
+                                [--load python|wrk] [--server uvicorn|uvicorn-h11|granian] [--busy 0]
 
 `--server` runs the same application under another ASGI server, to compare them:
 `uvicorn` is `asyncflow api` (uvicorn with httptools and uvloop, from
 uvicorn[standard]); `uvicorn-h11` is uvicorn on its pure-Python HTTP parser and
 asyncio's loop; `granian` needs `pip install granian` (not a dependency).
+
+`--busy N` runs N processes of no part of the stack, each spinning on a core,
+while the phases run: other load taking the CPU, as another tenant's would.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import sys
 import tempfile
 import time
 import uuid
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +133,18 @@ def wrk_phase(url: str, path: str, body: dict[str, Any], connections: int, secon
     }
 
 
+@contextmanager
+def busy(count: int) -> Iterator[None]:
+    """``count`` processes spinning on the cores meanwhile."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def prefill(database_url: str, task_type: str, count: int) -> None:
     """Bulk-insert pending tasks straight into the table (the thing measured is hold_tasks)."""
     from sqlalchemy import insert
@@ -177,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         help="clients: --clients Python processes, or wrk with --clients connections (as seed 000 measured)",
     )
     parser.add_argument("--server", choices=list(SERVERS), default="uvicorn", help="the ASGI server (see above)")
+    parser.add_argument("--busy", type=int, default=0, help="processes spinning on the cores during the phases")
     args = parser.parse_args(argv)
     if args.load == "wrk" and shutil.which("wrk") is None:
         parser.error("--load wrk needs wrk on PATH (Debian: apt-get install wrk)")
@@ -218,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         # wrk needs no client processes: starting them would take the CPU from the first phase.
         workers: Any = multiprocessing.get_context("spawn").Pool(args.clients) if args.load == "python" else nullcontext()
-        with workers as pool:
+        with workers as pool, busy(args.busy):
             for name, body in calls.items():
                 log(f"{name} phase")
                 api_before, pg_before = stack.cpu()["api"], servers_cpu()["postgresql"]
@@ -249,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine : {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; {m['os']}, kernel {m['kernel']}; "
           f"Python {m['python']}; load {m['loadavg_at_start']}")
     served = "`asyncflow api" if args.server == "uvicorn" else f"`{args.server} (benchmark's command)"
+    beside = f"; {args.busy} processes spinning on the cores meanwhile" if args.busy else ""
     print(f"backend : {args.backend} {backend.versions}; {served} --workers {args.api_workers}`; "
-          f"{clients}, {args.seconds:g} s per phase")
+          f"{clients}, {args.seconds:g} s per phase{beside}")
     for name, r in results.items():
         extra = f", {args.schedule_limit} task(s) per call" if name == "hold_tasks" else ""
         print(f"{name:<12}: {r['calls_per_s']:8.0f} calls/s ({r['calls']} ok, {r['errors']} errors{extra}); "
