@@ -254,9 +254,12 @@ def test_scheduler_killed_as_it_publishes_a_batch_loses_no_flow_and_runs_none_tw
     for task_id in ids:
         doc = faulty.wait_stopped(task_id, timeout=120)
         assert doc["task_status"] == 0, doc
-        assert [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]] == [
-            (0, 1, "succeeded"), (1, 1, "succeeded"),
+        # A start given back by a consumer process whose round ran long (shared.saga.Released)
+        # is the same attempt, its handler not run: not a try (the journal below says so).
+        attempts = [
+            (a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"] if a["outcome"] != "released"
         ]
+        assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")], doc["attempts"]
     ran: dict[str, list[tuple[int, int, int]]] = {}
     for line in faulty.journal.read_text().splitlines():
         entry = json.loads(line)
