@@ -555,6 +555,10 @@ class ConsumerPool:
         sys.stdout = sys.stderr = LoggingProxy(printed, logging.WARNING)
         stop = threading.Event()  # a SIGTERM before the consumer exists
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        if self.stopping.is_set():
+            # A SIGTERM between the fork and the line above went to the handler this process
+            # inherited, which set only its own copy of the main process's event.
+            stop.set()
         try:
             messages = self.make()
             signal.signal(signal.SIGTERM, lambda *_: messages.stop())

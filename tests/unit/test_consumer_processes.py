@@ -6,9 +6,13 @@ process does with each message (runs it, notes it, acknowledges it or keeps it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -334,3 +338,30 @@ def test_a_rabbitmq_release_is_read_as_numbers_up_to_what_is_not_one() -> None:
     assert _release("3.10.8") < (4, 3) <= _release("4.3.0") < _release("4.10")
     assert _release("4.3.0-rc.1") == (4, 3)
     assert _release("unknown") == ()
+
+
+def test_a_stop_taken_by_the_inherited_handler_before_the_process_s_own_keeps_it_from_consuming(
+    running: RunningSteps,
+) -> None:
+    """A SIGTERM that reaches a consumer process right after its fork, before it installs
+    its own handler, runs the worker's handler it inherited: that sets the process's copy
+    of ``stopping`` and nothing else. The process must not go on to consume."""
+    made: list[str] = []
+
+    class Messages:
+        connection = contextlib.nullcontext()
+
+        def run(self) -> None:
+            made.append("consumed")  # a real one would consume until a SIGTERM that has come already
+
+    stopping = threading.Event()
+    stopping.set()  # as the inherited handler left it
+    pool = module.ConsumerPool(lambda: Messages(), None, running, 1, 1.0, stopping)  # type: ignore[arg-type]
+    previous = signal.getsignal(signal.SIGTERM)
+    saved = sys.stdout, sys.stderr
+    try:
+        pool._serve()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sys.stdout, sys.stderr = saved
+    assert made == []
