@@ -143,6 +143,9 @@ def test_cancel_a_running_task_from_its_page(admin: Page, stack: Stack, tmp_path
     task_id = submit(stack, wait_for_file={"1": str(release)})
     admin.goto(f"/ui/tasks/{task_id}")
     expect(status_pill(admin)).to_have_text("running")
+    # The task is running from its first step on: cancel once step 1 waits, so that
+    # both steps have run and both are compensated.
+    expect(admin.locator(".timeline tr.oc-running")).to_contain_text("beta.step")
     admin.once("dialog", lambda dialog: dialog.accept())
     admin.get_by_role("button", name="Cancel task").click()
     expect(admin.locator(".notice")).to_contain_text("Task cancelled")

@@ -272,14 +272,17 @@ def test_a_worker_with_heartbeats_reports_each_running_job_alive_until_it_is_don
     def beats() -> float:
         return REGISTRY.get_sample_value("asyncflow_v1_reports_total", {"task_type": "video", "status": "2"}) or 0.0
 
-    before = beats()
     worker = server.worker(poll_interval=0.1, heartbeat=True)
 
     @worker.stage("")
     def slow(job: Job) -> Done:
         for n in range(1, 4):
             # Each heartbeat renews the lease: time passes on the server, the lease holds.
-            wait_for(lambda n=n: beats() >= before + n, 10, f"heartbeat {n}")
+            # Beats are sequential, so the second one counted after this mark began after
+            # the last advance of the clock and renewed the lease at the clock's present
+            # time; the first one counted may have read the clock before that advance.
+            mark = beats()
+            wait_for(lambda mark=mark: beats() >= mark + 2, 10, f"heartbeat {n}")
             server.clock.advance(0.1)
             assert sweep_leases(service, server.clock()) == 0
         return Done(log="long work")
