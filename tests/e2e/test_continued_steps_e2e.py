@@ -18,7 +18,7 @@ import pytest
 
 from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, tries
 
 pytestmark = [pytest.mark.e2e]
 
@@ -57,6 +57,6 @@ def test_worker_killed_in_a_step_it_continued_to_is_recovered(one_worker: Stack,
     doc = one_worker.wait_stopped(task["task_id"], timeout=60)
     assert doc["task_status"] == 0, doc
     runs = [(e["cursor"], e["attempt"]) for e in one_worker.executions(task["task_id"])]
-    attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
+    attempts = tries(doc)
     assert runs == [(0, 1), (1, 1), (1, 2)]
     assert attempts == [(0, 1, "succeeded"), (1, 1, "expired"), (1, 2, "succeeded")]

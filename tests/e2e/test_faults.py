@@ -22,7 +22,7 @@ from shared.messaging import STEP_TASK, make_celery, queue_name
 from shared.messaging.depth import QueueDepths
 from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
-from tests.e2e.stack import Stack, free_port
+from tests.e2e.stack import Stack, free_port, tries
 from tests.e2e.test_up_supervision import alive, children_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
@@ -156,7 +156,7 @@ def test_worker_killed_between_the_handlers_end_and_the_commit_runs_the_step_aga
     faulty.respawn(BETA)
     doc = faulty.wait_stopped(task["task_id"], timeout=60)
     assert doc["task_status"] == 0, doc
-    attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
+    attempts = tries(doc)
     if faulty.env.get("ASYNCFLOW_RECORD_START_AFTER"):
         # Its start was never recorded and its message never acknowledged: the broker
         # delivered it again, the same attempt ran again (same idempotency key), and
@@ -254,11 +254,7 @@ def test_scheduler_killed_as_it_publishes_a_batch_loses_no_flow_and_runs_none_tw
     for task_id in ids:
         doc = faulty.wait_stopped(task_id, timeout=120)
         assert doc["task_status"] == 0, doc
-        # A start given back by a consumer process whose round ran long (shared.saga.Released)
-        # is the same attempt, its handler not run: not a try (the journal below says so).
-        attempts = [
-            (a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"] if a["outcome"] != "released"
-        ]
+        attempts = tries(doc)  # a start given back is not a try: the journal below says so
         assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")], doc["attempts"]
     ran: dict[str, list[tuple[int, int, int]]] = {}
     for line in faulty.journal.read_text().splitlines():

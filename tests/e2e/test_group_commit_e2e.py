@@ -34,7 +34,7 @@ import pytest
 from shared.states import STOPPED
 from shared.testing import wait_for
 from tests.e2e.conftest import open_stack
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, tries
 from tests.e2e.test_up_supervision import children_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
@@ -138,7 +138,7 @@ def test_a_consumer_process_killed_holding_several_deliveries_has_each_reported_
     assert first_try["ended_at"] - killed_at < 3.0, (first_try, killed_at)
     for doc in docs:
         if doc is not ran:
-            attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"] if a["outcome"] != "released"]
+            attempts = tries(doc)
             assert attempts == [(0, 1, "succeeded")], doc["attempts"]
             assert [(e["cursor"], e["attempt"]) for e in held.executions(doc["task_id"])] == [(0, 1)]
 
@@ -167,7 +167,7 @@ def test_a_worker_killed_between_a_handlers_end_and_the_commit_loses_no_flow_it_
     task_ids, docs = killed_after_step_1_of_the_second(held, tmp_path)
     runs = [(e["cursor"], e["attempt"]) for e in held.executions(task_ids[1])]
     assert runs == [(0, 1), (1, 1), (1, 2)], runs
-    attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in docs[1]["attempts"]]
+    attempts = tries(docs[1])
     # Its handler did the work; the outcome was never committed: the attempt expired and ran again.
     assert attempts == [(0, 1, "succeeded"), (1, 1, "expired"), (1, 2, "succeeded")], attempts
 
@@ -190,7 +190,7 @@ def test_a_worker_killed_in_a_step_run_on_with_starts_unstored_loses_no_flow_it_
     runs = [(e["cursor"], e["attempt"]) for e in held_deferred.executions(task_ids[1])]
     assert runs == [(0, 1), (1, 1), (1, 1)], runs
     for doc in docs:
-        attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"]]
+        attempts = tries(doc)
         assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")], attempts
 
 
@@ -281,7 +281,7 @@ def run_beside_a_long_step(stack: Stack, gate: Path, submitted_after: bool) -> t
     for doc in docs:
         assert doc["task_status"] == 0, doc
         # Given back before it ran (a start stored in the long step's round), an attempt goes out again.
-        attempts = [(a["cursor"], a["attempt"], a["outcome"]) for a in doc["attempts"] if a["outcome"] != "released"]
+        attempts = tries(doc)
         assert attempts == [(0, 1, "succeeded"), (1, 1, "succeeded")], attempts
     return long_id, short_ids, first["pid"]
 
